@@ -1,0 +1,25 @@
+"""cce_dist: cut cross-entropy without materialized logits, on one device or a vocab-parallel group.
+
+Public API:
+
+- :func:`linear_cross_entropy` — loss of ``hidden @ weight.T (+ bias)`` against target ids.
+- :func:`linear_logprobs` — per-token log-probabilities (and entropies) for RL scoring.
+- :class:`LinearCrossEntropy` — the module form of :func:`linear_cross_entropy`.
+- :class:`VocabShard` — this rank's slice of a vocab-parallel head and its process group.
+- :class:`CrossEntropyOptions`, :class:`LogprobOptions` — the options, one frozen dataclass each.
+"""
+
+from .api import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
+from .options import CrossEntropyOptions, LogprobOptions
+from .parallel import InputError, VocabShard
+
+__all__ = [
+    "CrossEntropyOptions",
+    "InputError",
+    "LinearCrossEntropy",
+    "LogprobOptions",
+    "VocabShard",
+    "linear_cross_entropy",
+    "linear_logprobs",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,180 @@
+"""The autograd Functions: the only place that touches ``ctx``.
+
+Each Function receives the caller's tensors (original dtypes, hidden possibly sequence-sharded),
+a :class:`Plan` (implementation, dtypes, communicator) and the frozen options. It casts to the
+compute dtype, asks the backend for row statistics, combines them over the group, and forms the
+outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved lse.
+
+- :class:`CrossEntropyRows`: per-row loss and lse (any upstream gradient; ``reduction="none"``,
+  ``return_lse`` and the triton path use it).
+- :class:`LogprobRows`: per-row logprob and entropy.
+- :class:`FusedCrossEntropy`: scalar (sum/mean) loss whose gradients are formed during forward
+  (torch implementation; 3 GEMMs instead of 4) and scaled by the upstream scalar in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from . import formulas as F
+from .options import CrossEntropyOptions, LogprobOptions
+from .parallel import Comm
+from .torch_impl import chunk_tokens, fused_cross_entropy
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a Function needs besides tensors and options, resolved once per call."""
+
+    backend: ModuleType  # cce_dist.torch_impl or cce_dist.kernels
+    compute_dtype: torch.dtype
+    vocab_start: int
+    vocab_size: int  # global (all shards)
+    comm: Comm
+    backend_kwargs: dict
+    fused_chunk_tokens: int = 0  # FusedCrossEntropy only: identical on every rank
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _forward_stats(plan: Plan, h: torch.Tensor, w, b, targets, softcap, temperature) -> torch.Tensor:
+    local = plan.backend.row_stats(
+        h, w, b, targets, vocab_start=plan.vocab_start, softcap=softcap, temperature=temperature,
+        **plan.backend_kwargs.get("row_stats", {}),
+    )
+    return plan.comm.reduce_stats(local)
+
+
+def _backward_grads(ctx, plan: Plan, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
+    h, weight, bias, targets = ctx.saved_tensors[:4]
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    with _no_autocast(h.device):
+        w = weight.to(plan.compute_dtype)
+        b = _cast(bias, plan.compute_dtype)
+        dh, dw, db = plan.backend.grads(
+            h, w, b, targets, lse, coef, vocab_start=plan.vocab_start, softcap=softcap,
+            temperature=temperature, need_hidden=need_h, need_weight=need_w, need_bias=need_b and bias is not None,
+            **plan.backend_kwargs.get("grads", {}),
+        )
+        if dh is not None:
+            dh = plan.comm.reduce_hidden_grad(dh).to(ctx.hidden_dtype)
+    return (
+        dh,
+        None if dw is None else dw.to(weight.dtype),
+        None if db is None else db.to(bias.dtype),
+    )
+
+
+class CrossEntropyRows(torch.autograd.Function):
+    """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N])``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
+        with _no_autocast(hidden.device):
+            h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
+            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype),
+                                   targets, opts.softcap, 1.0)
+            valid = targets != opts.ignore_index
+            loss, lse = F.cross_entropy_rows(stats, valid, label_smoothing=opts.label_smoothing,
+                                             z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+        ctx.save_for_backward(h, weight, bias, targets, lse, valid)
+        ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, g_loss, g_lse):
+        plan, opts = ctx.plan, ctx.opts
+        lse, valid = ctx.saved_tensors[4:6]
+        coef = F.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=opts.label_smoothing,
+                                    z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+        return _backward_grads(ctx, plan, coef, lse, opts.softcap, 1.0) + (None, None, None)
+
+
+class LogprobRows(torch.autograd.Function):
+    """``(hidden, weight, bias, targets) -> (logprob float32 [N], entropy float32 [N])``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
+        with _no_autocast(hidden.device):
+            h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
+            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype),
+                                   targets, opts.softcap, opts.temperature)
+            valid = targets != opts.ignore_index
+            lp, ent = F.logprob_rows(stats, valid)
+        ctx.save_for_backward(h, weight, bias, targets, stats, valid)
+        ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        plan, opts = ctx.plan, ctx.opts
+        stats, valid = ctx.saved_tensors[4:6]
+        coef = F.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
+        from .stats import lse as _lse
+
+        return _backward_grads(ctx, plan, coef, _lse(stats), opts.softcap, opts.temperature) + (None, None, None)
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """Scalar loss (``reduction`` sum or mean) with gradients formed in forward (torch impl).
+
+    Forward holds the gradients (in their final dtypes) until backward multiplies them by the
+    upstream scalar in place, so the graph supports a single backward (a second raises).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        comm = plan.comm
+        with _no_autocast(hidden.device):
+            h = comm.gather_tokens(hidden.to(plan.compute_dtype))
+            w, b = weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype)
+            valid = targets != opts.ignore_index
+            n_valid = int(valid.sum().item())
+            scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
+            kw = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+            ones = torch.ones(1, dtype=torch.float32, device=h.device)
+            loss_rows, _lse, dh, dw, db = fused_cross_entropy(
+                h, w, b, targets, valid, scale,
+                coef_fn=lambda lse, v: F.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
+                rows_fn=lambda st, v: F.cross_entropy_rows(st, v, **kw),
+                vocab_start=plan.vocab_start, softcap=opts.softcap, chunk_tokens_=plan.fused_chunk_tokens,
+                need_hidden=need_h, need_weight=need_w, need_bias=need_b,
+                reduce_stats=comm.reduce_stats if comm.active else None,
+            )
+            if dh is not None:
+                dh = comm.reduce_hidden_grad(dh).to(hidden.dtype)
+            loss = loss_rows.sum() * scale
+        ctx.grads = [dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)]
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "cce_dist: this loss was computed with grad_in_forward=True, whose gradients can be used by one "
+                "backward only; pass grad_in_forward=False to backward through the graph more than once"
+            )
+        ctx.grads = None
+        if not (g.numel() == 1 and float(g) == 1.0):
+            for t in grads:
+                if t is not None:
+                    t.mul_(g.to(t.dtype))
+        return tuple(grads) + (None, None, None)
+
+
+def fused_chunk_tokens(n_tokens: int, max_local_vocab: int, chunk_size: int) -> int:
+    """Token chunk of the fused schedule: derived only from values every rank agrees on."""
+    return chunk_tokens(n_tokens, max_local_vocab, chunk_size)

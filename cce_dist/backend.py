@@ -1,0 +1,45 @@
+"""The contract every implementation (``torch``, ``triton``) fulfils for one vocab shard.
+
+An implementation is a module with two functions, free of autograd and of torch.distributed:
+
+``row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature) -> stats``
+    hidden  ``[N, D]``  compute dtype (already cast)
+    weight  ``[V_local, D]`` compute dtype; local row ``j`` is global vocab id ``vocab_start + j``
+    bias    ``[V_local]`` compute dtype, or None
+    targets ``[N]`` int64 *global* ids; ids outside ``[vocab_start, vocab_start + V_local)``
+            (ignore_index included) contribute TARGET = 0
+    returns ``float32 [N, NUM_STATS]`` statistics (see :mod:`cce_dist.stats`) of the logits
+
+        raw = round_to_compute_dtype(hidden @ weight.T + bias)     # then float32
+        c   = softcap * tanh(raw / softcap)   if softcap else raw
+        z   = c / temperature
+
+``grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+        need_hidden, need_weight, need_bias, filter_eps=None) -> (d_hidden, d_weight, d_bias)``
+    lse     ``float32 [N]`` the *global* log-sum-exp of each row (all shards)
+    coef    ``float32 [N, NUM_COEFS]`` per-row coefficients (below); an all-zero row contributes 0
+    returns float32 tensors ``[N, D]``, ``[V_local, D]``, ``[V_local]`` (None where not needed);
+    ``d_hidden`` is this shard's *partial* sum over its vocab rows.
+
+    With ``p = exp(z - lse)`` and ``onehot`` the target indicator, the gradient w.r.t. ``z`` is
+
+        dz = p * (ALPHA + DELTA * z) + BETA * onehot + GAMMA
+
+    then chained through temperature and softcap: ``d raw = dz / temperature * (1 - (c/softcap)^2)``
+    (the softcap factor only with a softcap), and ``d_hidden = d raw @ weight``,
+    ``d_weight = d raw.T @ hidden``, ``d_bias = d raw.sum(0)``, all accumulated in float32.
+    ``filter_eps``: a kernel may skip work whose |dz| is below it (gradient filtering); None = exact.
+
+The coefficients for each output form (``g`` = upstream gradient of that output per row):
+
+- cross-entropy ``(1-eps)*(lse - z_t) + eps*(lse - mean z) + zl*lse^2``:
+  ALPHA = g*(1 + 2*zl*lse), BETA = -g*(1-eps), GAMMA = -g*eps/V_total, DELTA = 0
+- returned lse: ALPHA += g_lse
+- logprob ``z_t - lse``: ALPHA = -g, BETA = g
+- entropy ``lse - E_p[z]``: ALPHA += g_ent * E_p[z], DELTA = -g_ent
+"""
+
+from __future__ import annotations
+
+ALPHA, BETA, GAMMA, DELTA = range(4)
+NUM_COEFS = 4

@@ -1,0 +1,82 @@
+"""Per-row outputs and gradient coefficients, as functions of the (global) row statistics.
+
+Pure elementwise torch on ``[N]`` vectors: shared by every implementation and by the
+single-device and vocab-parallel paths. See :mod:`cce_dist.backend` for the coefficient layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import stats as S
+from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+
+
+def cross_entropy_rows(
+    stats: torch.Tensor, valid: torch.Tensor, *, label_smoothing: float, z_loss: float, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and lse, ``float32 [N]`` each; the loss is 0 where ``valid`` is False.
+
+    ``loss = (1-eps)*(lse - z_t) + eps*(lse - mean_j z_j) + z_loss*lse**2``.
+    """
+    lse = S.lse(stats)
+    loss = lse - stats[:, S.TARGET]
+    if label_smoothing:
+        smooth = lse - stats[:, S.SUM] / vocab_size
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    # where(), not multiply: an ignored row with a non-finite lse must still give exactly 0.
+    return torch.where(valid, loss, torch.zeros_like(loss)), lse
+
+
+def cross_entropy_coef(
+    lse: torch.Tensor,
+    valid: torch.Tensor,
+    g_loss: torch.Tensor,
+    g_lse: Optional[torch.Tensor],
+    *,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``."""
+    g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
+    coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
+    alpha = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
+    if g_lse is not None:
+        alpha = alpha + g_lse.float()
+    coef[:, ALPHA] = alpha
+    coef[:, BETA] = -(1.0 - label_smoothing) * g
+    if label_smoothing:
+        coef[:, GAMMA] = -label_smoothing / vocab_size * g
+    return coef
+
+
+def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row logprob of the target and entropy, ``float32 [N]``; 0 where ``valid`` is False."""
+    lp = stats[:, S.TARGET] - S.lse(stats)
+    ent = S.entropy(stats)
+    zero = torch.zeros_like(lp)
+    return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
+
+
+def logprob_coef(
+    stats: torch.Tensor, valid: torch.Tensor, g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Coefficients of d(logprob, entropy)/dz: dz = p*(ALPHA + DELTA*z) + BETA*onehot."""
+    n = stats.shape[0]
+    coef = stats.new_zeros(n, NUM_COEFS)
+    zero = stats.new_zeros(n)
+    g_lp = torch.where(valid, g_logprob.float(), zero) if g_logprob is not None else zero
+    alpha = -g_lp
+    if g_entropy is not None:
+        g_ent = torch.where(valid, g_entropy.float(), zero)
+        ez = S.expected_logit(stats)
+        alpha = alpha + torch.where(g_ent != 0, g_ent * ez, zero)
+        coef[:, DELTA] = -g_ent
+    coef[:, ALPHA] = alpha
+    coef[:, BETA] = g_lp
+    return coef

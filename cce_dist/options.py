@@ -1,0 +1,132 @@
+"""The options of every public entry point, in one place.
+
+``linear_cross_entropy``, ``linear_logprobs`` and ``LinearCrossEntropy`` all build one of these
+frozen dataclasses from their keywords, so validation, defaults and documentation cannot drift
+between the function and the module forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .parallel import VocabShard
+
+Reduction = Literal["mean", "sum", "none"]
+Impl = Literal["auto", "torch", "triton"]
+REDUCTIONS = ("mean", "sum", "none")
+IMPLS = ("auto", "torch", "triton")
+
+#: Default number of logits (tokens x vocab entries) one chunk of the torch implementation holds
+#: at a time: 2**23 float32 logits = 32 MiB, which measured fastest on CPU at V = 64k.
+DEFAULT_CHUNK_SIZE = 1 << 23
+
+
+def _check_shift(shift: Union[bool, int]) -> int:
+    if isinstance(shift, bool):
+        return int(shift)
+    if not isinstance(shift, int) or shift < 0:
+        raise ValueError(f"shift must be a bool or a non-negative int, got {shift!r}")
+    return shift
+
+
+def _check_softcap(softcap: Optional[float]) -> Optional[float]:
+    if softcap is None:
+        return None
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap > 0 \
+            or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    return float(softcap)
+
+
+@dataclass(frozen=True)
+class _CommonOptions:
+    ignore_index: int = -100
+    softcap: Optional[float] = None
+    shift: Union[bool, int] = False
+    shard: Optional["VocabShard"] = None
+    impl: Impl = "auto"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    filter_eps: Optional[Union[float, Literal["auto"]]] = None
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "softcap", _check_softcap(self.softcap))
+        object.__setattr__(self, "shift", _check_shift(self.shift))
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.filter_eps is not None and self.filter_eps != "auto" and not (
+            isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0
+        ):
+            raise ValueError(f"filter_eps must be None, 'auto' or a number >= 0, got {self.filter_eps!r}")
+        if self.shard is not None:
+            from .parallel import VocabShard
+
+            if not isinstance(self.shard, VocabShard):
+                raise TypeError(f"shard must be a cce_dist.VocabShard or None, got {type(self.shard).__name__}")
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions(_CommonOptions):
+    """Options of :func:`cce_dist.linear_cross_entropy` and :class:`cce_dist.LinearCrossEntropy`.
+
+    ignore_index     targets equal to it contribute 0 loss and no gradient (default -100)
+    reduction        "mean" (over non-ignored tokens; 0 if there are none), "sum" or "none"
+    label_smoothing  eps in [0, 1]: PyTorch's definition over the full (global) vocabulary
+    z_loss           coefficient of ``lse**2`` added per valid token (PaLM's z-loss), >= 0
+    softcap          Gemma-style ``softcap * tanh(z / softcap)`` on the logits, or None
+    shift            position i predicts target i + shift (True = 1), without copying hidden
+    shard            a :class:`cce_dist.VocabShard` for vocab-parallel heads, or None
+    impl             "auto" (triton for CUDA tensors when it imports, else torch), "torch", "triton"
+    return_lse       also return the per-token log-sum-exp (float32, targets' shape)
+    chunk_size       logits held at once by the torch implementation (tokens x vocab entries)
+    grad_in_forward  torch impl: form gradients during forward when the loss is a scalar
+                     (3 matmuls instead of 4); None = whenever it applies
+    filter_eps       triton impl: skip backward tiles whose softmax gradient is below this
+                     (None = exact, "auto" = the compute dtype's resolution)
+    deterministic    triton impl: no float atomics (bitwise reproducible); the torch impl always is
+    """
+
+    reduction: Reduction = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    return_lse: bool = False
+    grad_in_forward: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
+        if not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0.0 or not math.isfinite(self.z_loss):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
+
+
+@dataclass(frozen=True)
+class LogprobOptions(_CommonOptions):
+    """Options of :func:`cce_dist.linear_logprobs`.
+
+    temperature     logits are divided by it (after the softcap), > 0
+    return_entropy  also return the (differentiable) entropy of each token's distribution
+    The other fields mean what they mean in :class:`CrossEntropyOptions`.
+    """
+
+    temperature: float = 1.0
+    return_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not math.isfinite(t):
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")

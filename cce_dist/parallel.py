@@ -1,0 +1,277 @@
+"""Vocab-parallel layout and the collectives of the tensor-parallel protocol.
+
+Knows nothing of Triton or autograd: the autograd Functions call :class:`Comm` at fixed points.
+
+Per call, on a group of ``P`` ranks:
+
+1. handshake (``VocabShard.check=True``, the default): one all-gather of a few int64 per rank
+   (its input verdict, token count, shard bounds, an option fingerprint, a target checksum).
+   A rank whose inputs were rejected tells the others here, so every rank raises instead of
+   waiting in a collective that one rank never joins; ranks that disagree on the layout, the
+   options, N or the targets raise on every rank too.
+2. statistics: ``"allreduce"`` = all-reduce MAX of the row max, then one all-reduce SUM of the
+   rescaled statistics stacked in one buffer; or ``"allgather"`` = one all-gather of the raw
+   statistics, combined locally. ``"auto"`` picks by group size (see ``AUTO_ALLGATHER_MAX_RANKS``).
+3. backward: dW and db stay local; the partial dH is all-reduced (reduce-scattered under sequence
+   parallelism) exactly once, or left to the caller's layer (``reduce_hidden_grad=False``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import stats as S
+
+StatsCollective = Literal["auto", "allreduce", "allgather"]
+
+#: ``stats_collective="auto"`` all-gathers the raw statistics up to this group size (one round
+#: trip, P * 5 floats per row received) and uses the two all-reduces above it (two round trips,
+#: 5 floats per row). Measured on gloo/CPU in benchmarks/tp_collectives.py.
+AUTO_ALLGATHER_MAX_RANKS = 8
+
+
+class InputError(ValueError):
+    """An input was rejected; under a tensor-parallel group every rank raises it together."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice ``[start, stop)`` of a vocab-parallel head's (padded) vocabulary.
+
+    group               the tensor-parallel process group (always explicit; None = no group, a
+                        single device: then ``start`` must be 0)
+    start, stop         global vocab rows held here; shards may be uneven but must tile
+                        ``[0, V)`` across the group without gaps or overlaps
+    sequence_parallel   hidden arrives split along its first (token/sequence) dimension,
+                        ``[N / P, ...]``; it is all-gathered inside and dH is reduce-scattered
+    reduce_hidden_grad  True (default): the library reduces dH over the group, so a standalone
+                        call returns the full, correct hidden gradient on every rank. False: the
+                        caller's own layer reduces it (e.g. input already passed through
+                        Megatron's ``copy_to_tensor_model_parallel_region``)
+    stats_collective    "auto" | "allreduce" | "allgather": how forward combines statistics
+    check               run the handshake (one tiny all-gather) that turns a bad input on one
+                        rank, or disagreeing ranks, into an error on every rank instead of a hang
+    """
+
+    group: Optional[dist.ProcessGroup]
+    start: int
+    stop: int
+    sequence_parallel: bool = False
+    reduce_hidden_grad: bool = True
+    stats_collective: StatsCollective = "auto"
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("start", "stop"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"VocabShard.{name} must be a non-negative int, got {v!r}")
+        if self.stop < self.start:
+            raise ValueError(f"VocabShard needs start <= stop, got [{self.start}, {self.stop})")
+        if self.stats_collective not in ("auto", "allreduce", "allgather"):
+            raise ValueError(
+                f"VocabShard.stats_collective must be 'auto', 'allreduce' or 'allgather', got {self.stats_collective!r}"
+            )
+        if self.sequence_parallel and not self.reduce_hidden_grad:
+            raise ValueError(
+                "VocabShard: sequence_parallel=True requires reduce_hidden_grad=True (the library gathers the "
+                "sequence, so it must also reduce-scatter dH); if your layer gathers and reduces, pass the "
+                "gathered hidden states with sequence_parallel=False, reduce_hidden_grad=False"
+            )
+        if self.group is None and self.start != 0:
+            raise ValueError("VocabShard with group=None is a single device: start must be 0")
+
+    @classmethod
+    def even(cls, vocab_size: int, group: Optional[dist.ProcessGroup], **kwargs) -> "VocabShard":
+        """Megatron's even split: rank r of a group of P holds ``[r*V/P, (r+1)*V/P)``."""
+        if not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        if vocab_size % world:
+            raise ValueError(
+                f"VocabShard.even: vocab_size={vocab_size} is not divisible by the group size {world}; "
+                "pad the vocabulary (as Megatron does) or pass uneven VocabShard(group, start, stop)"
+            )
+        per = vocab_size // world
+        return cls(group, rank * per, (rank + 1) * per, **kwargs)
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    @property
+    def local_size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every rank agreed on: the global vocab, the token count, the largest shard."""
+
+    vocab_size: int
+    n_tokens: int
+    max_local: int
+    bounds: Optional[tuple[tuple[int, int], ...]] = None  # every rank's [start, stop), if exchanged
+
+
+def fingerprint(*values) -> int:
+    """A process-independent 31-bit fingerprint (Python's hash() is salted per process)."""
+    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
+
+
+def targets_checksum(targets: torch.Tensor) -> int:
+    """Position-weighted checksum of the targets, identical on ranks that hold the same ids."""
+    if targets.numel() == 0:
+        return 0
+    w = torch.arange(targets.numel(), device=targets.device, dtype=torch.int64) % 65521 + 1
+    return int((targets.reshape(-1).to(torch.int64) * w).sum().item() & 0x7FFFFFFFFFFF)
+
+
+# handshake vector fields
+_OK, _N, _START, _STOP, _FP, _CK, _TMAX, _D, _NLOC = range(9)
+_FIELDS = 9
+
+
+def handshake(
+    shard: VocabShard,
+    error: Optional[BaseException],
+    *,
+    n_tokens: int,
+    n_local_tokens: int,
+    hidden_dim: int,
+    options_fp: int,
+    targets: Optional[torch.Tensor],
+    device: torch.device,
+) -> Layout:
+    """All-gather every rank's verdict and layout; raise the same error class on every rank.
+
+    ``error`` is this rank's own input error (or None). It is re-raised here after the others
+    were told, so no rank is left blocked in a collective.
+    """
+    world = shard.world_size
+    info = torch.zeros(_FIELDS, dtype=torch.int64)
+    info[_OK] = 0 if error is not None else 1
+    if error is None:
+        info[_N], info[_START], info[_STOP] = n_tokens, shard.start, shard.stop
+        info[_FP], info[_D], info[_NLOC] = options_fp, hidden_dim, n_local_tokens
+        if targets is not None and targets.numel():
+            info[_CK] = targets_checksum(targets)
+            info[_TMAX] = int(targets.max().item())
+        else:
+            info[_TMAX] = -1
+    if world == 1:
+        rows = info.unsqueeze(0)
+    else:
+        buf = info.to(device)
+        gathered = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(gathered, buf, group=shard.group)
+        rows = torch.stack(gathered).cpu()
+    if error is not None:
+        raise error
+    bad = [r for r in range(world) if rows[r, _OK] == 0]
+    if bad:
+        raise InputError(
+            f"cce_dist: rank(s) {bad} of the tensor-parallel group rejected their inputs (see the error "
+            "raised on those ranks); no statistics collective was started"
+        )
+
+    def disagree(field: int, what: str) -> None:
+        vals = rows[:, field].tolist()
+        if len(set(vals)) > 1:
+            raise InputError(f"cce_dist: ranks of the tensor-parallel group disagree on {what}: {vals} (by rank)")
+
+    disagree(_N, "the number of tokens (hidden/targets)")
+    disagree(_D, "the hidden size (hidden.shape[-1] / weight.shape[1])")
+    disagree(_FP, "the loss options (reduction, label_smoothing, z_loss, softcap, temperature, ignore_index, "
+                  "shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, form, grad need)")
+    disagree(_CK, "the target ids (targets must be identical global ids on every rank)")
+    if shard.sequence_parallel:
+        disagree(_NLOC, "the number of local tokens under sequence parallelism")
+    bounds = tuple((int(a), int(b)) for a, b in rows[:, [_START, _STOP]].tolist())
+    vocab_size = check_tiling(bounds)
+    tmax = int(rows[:, _TMAX].max())
+    if tmax >= vocab_size:
+        raise InputError(f"targets contain id {tmax}, outside the vocabulary [0, {vocab_size}) of the group")
+    return Layout(vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max(b - a for a, b in bounds),
+                  bounds=bounds)
+
+
+def check_tiling(bounds: Sequence[tuple[int, int]]) -> int:
+    """The global vocab size if the shards tile ``[0, V)`` exactly; else an InputError."""
+    pos = 0
+    for a, b in sorted(bounds):
+        if a != pos:
+            raise InputError(
+                f"cce_dist: vocab shards {list(bounds)} (by rank) do not tile [0, V): "
+                f"{'gap' if a > pos else 'overlap'} at {min(a, pos)}"
+            )
+        pos = b
+    if pos == 0:
+        raise InputError("cce_dist: the vocab shards are all empty")
+    return pos
+
+
+class Comm:
+    """The collectives of one call; a no-op object for a single device."""
+
+    def __init__(self, shard: Optional[VocabShard], layout: Optional[Layout]):
+        self.shard = shard
+        self.world = 1 if shard is None else shard.world_size
+        self.active = self.world > 1
+        method = "allreduce" if shard is None else shard.stats_collective
+        if method == "auto":
+            method = "allgather" if self.world <= AUTO_ALLGATHER_MAX_RANKS else "allreduce"
+        self.method = method
+        self.layout = layout
+
+    @property
+    def group(self):
+        return self.shard.group if self.shard is not None else None
+
+    def reduce_stats(self, local: torch.Tensor) -> torch.Tensor:
+        """Combine this rank's ``[n, NUM_STATS]`` statistics with the group's."""
+        if not self.active:
+            return local
+        if self.method == "allgather":
+            out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+            dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
+            return S.combine_stack(out)
+        m = local[:, S.MAX].contiguous()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        r = S.rescale(local, m)
+        rest = r[:, 1:].contiguous()
+        dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
+        return torch.cat([m.unsqueeze(1), rest], dim=1)
+
+    def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Sequence parallelism: all-gather ``[n/P, ...]`` along dim 0 into ``[n, ...]``."""
+        if not (self.active and self.shard.sequence_parallel):
+            return hidden
+        out = hidden.new_empty((self.world * hidden.shape[0],) + tuple(hidden.shape[1:]))
+        dist.all_gather(list(out.chunk(self.world, 0)), hidden.contiguous(), group=self.group)
+        return out
+
+    def reduce_hidden_grad(self, dh: torch.Tensor) -> torch.Tensor:
+        """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel) or none."""
+        if not self.active or not self.shard.reduce_hidden_grad:
+            return dh
+        if self.shard.sequence_parallel:
+            parts = list(dh.chunk(self.world, 0))
+            out = torch.empty_like(parts[0])
+            if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
+                dist.all_reduce(dh, group=self.group)
+                return parts[self.shard.rank].clone()
+            dist.reduce_scatter(out, [p.contiguous() for p in parts], group=self.group)
+            return out
+        dist.all_reduce(dh, group=self.group)
+        return dh

@@ -1,0 +1,91 @@
+"""Per-row partial statistics over a slice of the vocabulary, and how they combine.
+
+Everything cce_dist computes (loss, lse, label-smoothing term, logprob, entropy) is a function of
+five per-row numbers gathered over a slice of the vocabulary. Two slices combine associatively,
+so the same code merges vocab chunks inside one program, chunks of the PyTorch path and ranks of
+a tensor-parallel group.
+
+A statistics tensor is ``float32 [N, NUM_STATS]`` with columns:
+
+``MAX``      m = max_j z_j                                 (-inf for an empty slice)
+``SUMEXP``   s = sum_j exp(z_j - m)                        (0 for an empty slice)
+``TARGET``   x = z_t if the row's target t is in the slice, else 0
+``SUM``      a = sum_j z_j                                 (label smoothing needs mean_j z_j)
+``ENTROPY``  e = sum_j exp(z_j - m) * (z_j - m)            (entropy needs E_p[z])
+
+``e`` is taken relative to the slice max (rather than ``sum exp(z - m) * z``) so it does not
+cancel catastrophically when logits are large; it rescales like ``s`` plus a shift term.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX, SUMEXP, TARGET, SUM, ENTROPY = range(5)
+NUM_STATS = 5
+
+
+def empty_stats(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Statistics of an empty vocab slice for ``n`` rows: the identity of :func:`combine`."""
+    out = torch.zeros(n, NUM_STATS, dtype=torch.float32, device=device)
+    out[:, MAX] = float("-inf")
+    return out
+
+
+def _safe_scale(m: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """exp(m - new_max), with exp(-inf - -inf) taken as 0 (both slices empty)."""
+    d = m - new_max
+    return torch.where(torch.isneginf(m), torch.zeros_like(d), torch.exp(d))
+
+
+def rescale(stats: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """Re-express ``stats`` relative to ``new_max`` (>= the slice max) so slices can be summed.
+
+    Returns ``[N, NUM_STATS]`` whose ``MAX`` column is ``new_max`` and whose SUMEXP/ENTROPY columns
+    are additive across slices that share ``new_max``. TARGET and SUM are already additive.
+    """
+    m, s, e = stats[:, MAX], stats[:, SUMEXP], stats[:, ENTROPY]
+    scale = _safe_scale(m, new_max)
+    shift = torch.where(torch.isneginf(m), torch.zeros_like(m), m - new_max)
+    out = stats.clone()
+    out[:, MAX] = new_max
+    out[:, SUMEXP] = s * scale
+    out[:, ENTROPY] = (e + s * shift) * scale
+    return out
+
+
+def sum_rescaled(rescaled: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum a stack of statistics that were all rescaled to the same max (MAX column kept)."""
+    out = rescaled.sum(dim)
+    out[..., MAX] = rescaled.select(dim, 0)[..., MAX]
+    return out
+
+
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Merge the statistics of two disjoint vocab slices (associative, commutative)."""
+    new_max = torch.maximum(a[:, MAX], b[:, MAX])
+    return sum_rescaled(torch.stack([rescale(a, new_max), rescale(b, new_max)]))
+
+
+def combine_stack(stack: torch.Tensor) -> torch.Tensor:
+    """Merge ``[P, N, NUM_STATS]`` statistics of P disjoint slices into ``[N, NUM_STATS]``."""
+    if stack.shape[0] == 1:
+        return stack[0]
+    new_max = stack[..., MAX].amax(0)
+    return sum_rescaled(torch.stack([rescale(s, new_max) for s in stack.unbind(0)]))
+
+
+def lse(stats: torch.Tensor) -> torch.Tensor:
+    """log-sum-exp per row, ``float32 [N]``."""
+    return stats[:, MAX] + torch.log(stats[:, SUMEXP])
+
+
+def expected_logit(stats: torch.Tensor) -> torch.Tensor:
+    """E_{p}[z] per row, ``float32 [N]``."""
+    return stats[:, MAX] + stats[:, ENTROPY] / stats[:, SUMEXP]
+
+
+def entropy(stats: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(z) per row: lse - E_p[z] = log s - e / s, ``float32 [N]``."""
+    s = stats[:, SUMEXP]
+    return torch.log(s) - stats[:, ENTROPY] / s

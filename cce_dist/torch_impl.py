@@ -1,0 +1,251 @@
+"""Pure-PyTorch implementation of the backend contract (:mod:`cce_dist.backend`), any device.
+
+The logits are formed one token chunk at a time, transposed (``[V_local, n]``, computed as
+``weight @ hidden_chunk.T``): on CPU this layout runs all three GEMMs (logits, dH, dW) on
+contiguous operands, measured 1.3-1.6x faster than ``hidden @ weight.T`` for thin chunks.
+Peak extra memory is one ``[V_local, n]`` float32 block (``n = chunk_size // V_local``, at least
+one token) plus ``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW
+accumulator.
+
+No autograd and no torch.distributed here: :mod:`cce_dist.autograd` calls these functions and
+passes a ``reduce_stats`` callback where statistics must be combined across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from . import stats as S
+from .backend import ALPHA, BETA, DELTA, GAMMA
+from .options import DEFAULT_CHUNK_SIZE
+
+
+def chunk_tokens(n_tokens: int, v_local: int, chunk_size: int) -> int:
+    """Tokens per chunk so a chunk holds at most ``chunk_size`` logits (at least one token)."""
+    return max(1, min(max(n_tokens, 1), chunk_size // max(v_local, 1)))
+
+
+def _chunks(n_tokens: int, step: int) -> Iterator[slice]:
+    for lo in range(0, n_tokens, step):
+        yield slice(lo, min(lo + step, n_tokens))
+
+
+def logits_t(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    softcap: Optional[float],
+    temperature: float,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Transposed logits ``z float32 [V_local, n]`` of a token chunk, and ``tanh(raw/softcap)``.
+
+    ``raw`` is rounded once to the compute dtype (a single addmm), exactly like ``F.linear``.
+    """
+    if bias is None:
+        raw = torch.mm(weight, hidden.t())
+    else:
+        raw = torch.addmm(bias.unsqueeze(1), weight, hidden.t())
+    z = raw.float()  # no copy for float32
+    th = None
+    if softcap is not None:
+        th = torch.tanh(z.div_(softcap))  # z is ours: raw/softcap in place, then tanh
+        z = th * softcap
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z, th
+
+
+def _target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local rows, columns) of the targets that fall in this shard."""
+    t_loc = targets - vocab_start
+    cols = torch.nonzero((t_loc >= 0) & (t_loc < v_local), as_tuple=True)[0]
+    return t_loc[cols], cols
+
+
+def _chunk_stats(
+    z: torch.Tensor, targets: torch.Tensor, vocab_start: int, need_entropy: bool
+) -> torch.Tensor:
+    """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)``."""
+    v_local, n = z.shape
+    if v_local == 0:
+        return S.empty_stats(n, device=z.device)
+    out = z.new_zeros(n, S.NUM_STATS)
+    rows, cols = _target_cols(targets, vocab_start, v_local)
+    out[cols, S.TARGET] = z[rows, cols]
+    out[:, S.SUM] = z.sum(0)
+    m = z.amax(0)
+    out[:, S.MAX] = m
+    z.sub_(m)
+    if need_entropy:
+        ex = torch.exp(z)
+        out[:, S.SUMEXP] = ex.sum(0)
+        out[:, S.ENTROPY] = ex.mul_(z).sum(0)
+        z.copy_(ex)
+    else:
+        out[:, S.SUMEXP] = z.exp_().sum(0)
+    return out
+
+
+def row_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    softcap: Optional[float],
+    temperature: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    need_entropy: bool = True,
+) -> torch.Tensor:
+    """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.backend`)."""
+    n_tokens, v_local = hidden.shape[0], weight.shape[0]
+    out = S.empty_stats(n_tokens, device=hidden.device)
+    if n_tokens == 0 or v_local == 0:
+        return out
+    for sl in _chunks(n_tokens, chunk_tokens(n_tokens, v_local, chunk_size)):
+        z, _ = logits_t(hidden[sl], weight, bias, softcap, temperature)
+        out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy)
+    return out
+
+
+class _GradAccumulator:
+    """float32 accumulators for dH rows, dW and db, written in place where the dtype allows."""
+
+    def __init__(self, hidden, weight, need_hidden, need_weight, need_bias):
+        dev = hidden.device
+        self.dh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
+        self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+        self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+
+    def add(self, dz: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, sl: slice) -> None:
+        """Accumulate the contributions of ``dz float32 [V_local, n]`` for token chunk ``sl``."""
+        if self.db is not None:
+            self.db.add_(dz.sum(1))
+        low = weight.dtype != torch.float32
+        dzc = dz.to(weight.dtype) if low else dz
+        if self.dh is not None:
+            if low:
+                self.dh[sl] = torch.mm(dzc.t(), weight)
+            else:
+                torch.mm(dzc.t(), weight, out=self.dh[sl])
+        if self.dw is not None:
+            if low:
+                self.dw.add_(torch.mm(dzc, hidden[sl]))
+            else:
+                self.dw.addmm_(dzc, hidden[sl])
+
+    def result(self):
+        return self.dh, self.dw, self.db
+
+
+def _finish_dz(
+    dz: torch.Tensor,
+    z: Optional[torch.Tensor],
+    th: Optional[torch.Tensor],
+    coef: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Turn ``dz = p`` (in place) into the gradient w.r.t. the raw logits of the chunk."""
+    alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
+    if z is not None:  # entropy term: p * (alpha + delta * z)
+        dz.mul_(torch.addcmul(alpha, delta, z))
+    else:
+        dz.mul_(alpha)
+    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
+    dz[rows, cols] += beta[cols]
+    if bool((gamma != 0).any()):
+        dz.add_(gamma)
+    if th is not None:
+        dz.mul_(1.0 - th * th)
+    if temperature != 1.0:
+        dz.div_(temperature)
+    return dz
+
+
+def grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    vocab_start: int,
+    softcap: Optional[float],
+    temperature: float,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    filter_eps: Optional[float] = None,
+    deterministic: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """Gradients of this shard from the global ``lse`` and ``coef`` (contract: :mod:`cce_dist.backend`).
+
+    Exact: ``filter_eps`` is accepted for interface parity and ignored; always deterministic.
+    """
+    del filter_eps, deterministic
+    acc = _GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
+    n_tokens, v_local = hidden.shape[0], weight.shape[0]
+    if n_tokens == 0 or v_local == 0:
+        return acc.result()
+    need_z = bool((coef[:, DELTA] != 0).any())
+    for sl in _chunks(n_tokens, chunk_tokens(n_tokens, v_local, chunk_size)):
+        c = coef[sl]
+        if not bool(c.any()):  # every row of the chunk ignored or with zero upstream gradient
+            continue
+        z, th = logits_t(hidden[sl], weight, bias, softcap, temperature)
+        p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
+        dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
+        acc.add(dz, hidden, weight, sl)
+    return acc.result()
+
+
+def fused_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    row_grad: float,
+    coef_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rows_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    vocab_start: int,
+    softcap: Optional[float],
+    chunk_tokens_: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    reduce_stats: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+):
+    """Loss rows and gradients in one pass over token chunks (3 GEMMs; the scalar-loss schedule).
+
+    Each chunk's full rows of logits give the (global, via ``reduce_stats``) statistics, then the
+    loss rows via ``rows_fn(stats, valid) -> (loss, lse)`` and, while the logits are still held,
+    the gradient for an upstream gradient of ``row_grad`` on every valid row via
+    ``coef_fn(lse, valid) -> coef``. ``chunk_tokens_`` must be the same on every rank when
+    ``reduce_stats`` communicates. Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
+    """
+    n_tokens = hidden.shape[0]
+    acc = _GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
+    loss = hidden.new_zeros(n_tokens, dtype=torch.float32)
+    lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
+    for sl in _chunks(n_tokens, chunk_tokens_):
+        z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0)
+        local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False)  # z := exp(z - m)
+        glob = reduce_stats(local) if reduce_stats is not None else local
+        loss[sl], lse[sl] = rows_fn(glob, valid[sl])
+        if acc.dh is None and acc.dw is None and acc.db is None:
+            continue
+        # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse)
+        z.mul_(torch.exp(local[:, S.MAX] - lse[sl]))
+        c = coef_fn(lse[sl], valid[sl]) * row_grad
+        dz = _finish_dz(z, None, th, c, targets[sl], vocab_start, 1.0)
+        acc.add(dz, hidden, weight, sl)
+    return (loss, lse) + acc.result()
