@@ -207,7 +207,29 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _integrations(hidden, weight, targets, bias, opts):
+    """Hooks for inputs that need translating first: DTensor heads (cce_dist.dtensor)."""
+    if _is_dtensor(weight) or _is_dtensor(hidden):
+        from .dtensor import from_dtensor
+
+        hidden, weight, targets, bias, opts = from_dtensor(hidden, weight, targets, bias, opts)
+    return hidden, weight, targets, bias, opts
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
+    if torch.compiler.is_compiling():
+        from .compile import compiled_cross_entropy
+
+        return compiled_cross_entropy(hidden, weight, targets, bias, opts)
+    hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = _wants_grad(hidden, weight, bias)
     fused = (
         opts.reduction != "none"
@@ -232,6 +254,11 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
+    if torch.compiler.is_compiling():
+        from .compile import compiled_logprobs
+
+        return compiled_logprobs(hidden, weight, targets, bias, opts)
+    hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (opts.temperature, opts.return_entropy, _wants_grad(hidden, weight, bias))
     h2, t1, plan, shape = _prepare(hidden, weight, targets, bias, opts, "logprob", extra)
     if plan.backend is torch_impl:
