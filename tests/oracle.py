@@ -1,0 +1,161 @@
+"""The materialized reference that every cce_dist implementation is tested against.
+
+This is the program of DESIGN.md ("What it computes") written plainly in PyTorch: the full
+``[N, V]`` logits are formed with ``F.linear``, then softcap, temperature, ``F.cross_entropy``
+(with PyTorch's own ``label_smoothing`` and ``ignore_index``), z-loss, ``log_softmax`` + gather
+for logprobs and the softmax entropy. It is deliberately simple and slow; it is differentiable
+with ordinary autograd, so the same call gives the reference gradients.
+
+Precision model (matches the library's contract):
+
+- ``dtype`` is the *projection* dtype: ``hidden``, ``weight`` and ``bias`` are cast to it and
+  ``F.linear`` runs in it, so the logits are rounded once to ``dtype`` (``torch.float32`` gives
+  the exact fp32 reference; ``torch.bfloat16`` gives "the materialized loss computed in bf16",
+  the baseline a low-precision implementation must not be worse than). ``dtype=None`` leaves the
+  tensors as they are, so under ``torch.autocast`` the projection runs in the autocast dtype.
+- Everything after the projection (softcap, temperature, softmax, reductions) runs in float32,
+  on the rounded logits.
+- Gradients flow back through the casts, so they arrive in each input tensor's own dtype.
+
+Public functions::
+
+    oracle_logits(hidden, weight, bias=None, *, softcap=None, temperature=1.0, dtype=float32)
+    shift_targets(targets, shift, ignore_index)
+    oracle_cross_entropy(hidden, weight, targets, bias=None, *, ignore_index=-100,
+                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                         shift=False, dtype=torch.float32, return_lse=False)
+    oracle_logprobs(hidden, weight, targets, bias=None, *, ignore_index=-100, softcap=None,
+                    temperature=1.0, shift=False, dtype=torch.float32, return_entropy=False)
+
+Shapes follow cce_dist: ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]``,
+``targets [...] == hidden.shape[:-1]`` (integer ids in ``[0, V)`` or ``ignore_index``).
+Outputs are float32 and have targets' shape (or are scalars for ``mean``/``sum``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+__all__ = ["oracle_logits", "shift_targets", "oracle_cross_entropy", "oracle_logprobs"]
+
+
+def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+    if t is None or dtype is None:
+        return t
+    return t.to(dtype)
+
+
+def oracle_logits(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    softcap: Optional[float] = None,
+    temperature: float = 1.0,
+    dtype: Optional[torch.dtype] = torch.float32,
+) -> Tensor:
+    """Materialized float32 logits ``[..., V]``: ``softcap(linear(h, W, b) rounded to dtype) / T``."""
+    z = F.linear(_cast(hidden, dtype), _cast(weight, dtype), _cast(bias, dtype)).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+def shift_targets(targets: Tensor, shift: Union[bool, int], ignore_index: int) -> Tensor:
+    """Position ``i`` predicts ``targets[..., i + shift]``; the last ``shift`` positions are ignored."""
+    shift = int(shift)
+    if shift == 0:
+        return targets
+    out = torch.full_like(targets, ignore_index)
+    if targets.dim() > 0 and targets.shape[-1] > shift:
+        out[..., :-shift] = targets[..., shift:]
+    return out
+
+
+def _reduce(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    if reduction == "mean":
+        # mean over non-ignored tokens; 0 (not NaN) when every token is ignored
+        return rows.sum() / valid.sum().clamp(min=1)
+    raise ValueError(f"unknown reduction {reduction!r}")
+
+
+def oracle_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    shift: Union[bool, int] = False,
+    dtype: Optional[torch.dtype] = torch.float32,
+    return_lse: bool = False,
+):
+    """Reference of ``cce_dist.linear_cross_entropy`` (same keywords; see the module docstring).
+
+    ``loss_i = F.cross_entropy(z_i, t_i, label_smoothing=eps) + z_loss * logsumexp(z_i)**2``
+    for valid tokens, 0 for ignored ones; then reduced. With ``return_lse`` also returns the
+    float32 per-token ``logsumexp(z_i)`` (targets' shape, computed for every token).
+    """
+    t = shift_targets(targets, shift, ignore_index).long()
+    z = oracle_logits(hidden, weight, bias, softcap=softcap, dtype=dtype)  # [..., V] float32
+    v = z.shape[-1]
+    z2 = z.reshape(-1, v)
+    t1 = t.reshape(-1)
+    valid = t1 != ignore_index
+    rows = F.cross_entropy(z2, t1, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    lse = torch.logsumexp(z2, dim=-1)
+    if z_loss:
+        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    out = _reduce(rows.reshape(t.shape), valid, reduction)
+    if return_lse:
+        return out, lse.reshape(t.shape)
+    return out
+
+
+def oracle_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    temperature: float = 1.0,
+    shift: Union[bool, int] = False,
+    dtype: Optional[torch.dtype] = torch.float32,
+    return_entropy: bool = False,
+):
+    """Reference of ``cce_dist.linear_logprobs``: ``log_softmax(z)[t]`` and ``-sum p log p``.
+
+    Both are float32 with targets' shape and 0 at ignored positions.
+    """
+    t = shift_targets(targets, shift, ignore_index).long()
+    z = oracle_logits(hidden, weight, bias, softcap=softcap, temperature=temperature, dtype=dtype)
+    v = z.shape[-1]
+    logp = torch.log_softmax(z.reshape(-1, v), dim=-1)
+    t1 = t.reshape(-1)
+    valid = t1 != ignore_index
+    safe_t = torch.where(valid, t1, torch.zeros_like(t1))
+    lp = logp.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    zero = torch.zeros_like(lp)
+    lp = torch.where(valid, lp, zero).reshape(t.shape)
+    if not return_entropy:
+        return lp
+    ent = -(logp.exp() * logp).sum(-1)
+    ent = torch.where(valid, ent, zero).reshape(t.shape)
+    return lp, ent
