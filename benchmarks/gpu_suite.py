@@ -1,0 +1,196 @@
+"""GPU benchmark (issue 5): cce_dist's Triton path against the materialized loss and the peers.
+
+Question: on one GPU, at LLM head shapes in bf16, how do forward, backward and forward+backward
+time and peak memory compare between the materialized ``F.linear`` + ``F.cross_entropy``, its
+``torch.compile``, Apple's Cut Cross-Entropy, Liger-Kernel's fused linear cross-entropy and
+cce_dist (triton)? Peers are measured only when they import (carry their wheels; see
+benchmarks/gpu_suite.sh).
+
+Timing: CUDA events around each phase, ``--warmup`` untimed runs, median of ``--repeats``.
+Memory: peak allocated during forward+backward minus what was allocated before (inputs), next to
+the bytes of the gradients themselves (dH + dW), which every method must produce.
+FLOPs: the materialized count, 2*N*D*V for the forward and 4*N*D*V for the backward (dH, dW);
+TFLOP/s = that count / time (recomputation done by a method is not credited).
+
+    python benchmarks/gpu_suite.py --out benchmarks/results            # full (about 4-6 min on an H200)
+    python benchmarks/gpu_suite.py --quick                             # one small shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(8192, 2304, 256000), (16384, 4096, 128256), (8192, 3584, 152064)]
+QUICK_SHAPES = [(4096, 2048, 65536)]
+
+
+def materialized(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def _variants() -> dict[str, Callable]:
+    import cce_dist
+
+    out: dict[str, Callable] = {
+        "materialized": materialized,
+        "torch.compile": torch.compile(materialized),
+        "cce_dist": lambda h, w, t: cce_dist.linear_cross_entropy(h, w, t, impl="triton"),
+        "cce_dist(filter)": lambda h, w, t: cce_dist.linear_cross_entropy(h, w, t, impl="triton", filter_eps="auto"),
+    }
+    try:
+        from cut_cross_entropy import linear_cross_entropy as apple_cce
+
+        out["apple_cce"] = lambda h, w, t: apple_cce(h, w, t)
+    except ImportError as e:
+        print(f"[skip] apple cut-cross-entropy not importable: {e}", file=sys.stderr)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger"] = lambda h, w, t: liger(w, h, t)
+    except ImportError as e:
+        print(f"[skip] liger-kernel not importable: {e}", file=sys.stderr)
+    return out
+
+
+def _median_ms(fn: Callable[[], None], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_one(name: str, fn: Callable, n: int, d: int, v: int, warmup: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    dev = "cuda"
+    h = (torch.randn(n, d, device=dev, dtype=torch.bfloat16) * 0.5).requires_grad_()
+    w = (torch.randn(v, d, device=dev, dtype=torch.bfloat16) * d**-0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev)
+
+    def fwd():
+        with torch.no_grad():
+            fn(h, w, t)
+
+    def fwd_bwd():
+        h.grad = w.grad = None
+        fn(h, w, t).backward()
+
+    row = {"method": name, "N": n, "D": d, "V": v}
+    try:
+        row["fwd_ms"] = _median_ms(fwd, warmup, repeats)
+        row["fwd_bwd_ms"] = _median_ms(fwd_bwd, warmup, repeats)
+        row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fn(h, w, t)
+        loss.backward()
+        torch.cuda.synchronize()
+        row["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["grad_mb"] = (h.numel() + w.numel()) * 2 / 2**20
+        row["overhead_mb"] = row["peak_mb"] - row["grad_mb"]
+        row["loss"] = float(loss)
+        flops = 6.0 * n * d * v
+        row["tflops_fwd_bwd"] = flops / (row["fwd_bwd_ms"] * 1e-3) / 1e12
+        row["tflops_fwd"] = flops / 3 / (row["fwd_ms"] * 1e-3) / 1e12
+    except torch.cuda.OutOfMemoryError as e:  # a peer may not fit; record it
+        row["error"] = f"OOM: {e}"[:200]
+    finally:
+        h.grad = w.grad = None
+        del h, w, t
+        torch.cuda.empty_cache()
+    return row
+
+
+def env() -> dict:
+    def git(*a):
+        try:
+            return subprocess.check_output(["git", *a], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            return "unknown"
+
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else ""),
+    }
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# GPU suite — {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
+             "", f"{meta['date']}. bf16; FLOPs counted as 6*N*D*V for forward+backward.", "",
+             "| N | D | V | method | fwd ms | bwd ms | fwd+bwd ms | vs apple_cce | TFLOP/s | peak MB | grads MB | overhead MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['N']} | {r['D']} | {r['V']} | {r['method']} | {r['error']} |||||||")
+            continue
+        ref = next((x for x in rows if x["method"] == "apple_cce" and x["N"] == r["N"] and x["V"] == r["V"]
+                    and "error" not in x), None)
+        ratio = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}x" if ref else "n/a"
+        lines.append(
+            f"| {r['N']} | {r['D']} | {r['V']} | {r['method']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "
+            f"{r['fwd_bwd_ms']:.2f} | {ratio} | {r['tflops_fwd_bwd']:.0f} | {r['peak_mb']:.0f} | "
+            f"{r['grad_mb']:.0f} | {r['overhead_mb']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="", help="comma-separated subset")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_suite.py needs a CUDA device")
+    variants = _variants()
+    if a.methods:
+        keep = set(a.methods.split(","))
+        variants = {k: v for k, v in variants.items() if k in keep}
+    rows = []
+    for n, d, v in QUICK_SHAPES if a.quick else SHAPES:
+        for name, fn in variants.items():
+            row = bench_one(name, fn, n, d, v, a.warmup, a.repeats)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = env()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gpu_suite.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = markdown(rows, meta)
+    with open(os.path.join(a.out, "gpu_suite.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
