@@ -1,0 +1,401 @@
+"""Backward kernels: gradients w.r.t. hidden states, head weight and bias of one vocab shard,
+recomputing logit tiles from the global ``lse`` instead of storing logits or probabilities.
+
+For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coefficients):
+
+    z, t  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
+    p     = exp(z - lse_I)
+    dz    = p * (ALPHA + DELTA * z) + BETA * [j == t_i] + GAMMA
+    draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled)
+    dH_I += draw @ W_J        dW_J += draw.T @ h_I        db_J += colsum(draw)
+
+``draw`` is rounded to the compute dtype before the two gradient matmuls (what a materialized
+backward in that dtype does; fp32 stays fp32); both matmuls accumulate in fp32.
+
+Two schedules:
+
+- default (``deterministic=False``): one fused kernel over all (token tile, vocab tile) pairs,
+  grouped for L2 reuse as in the Triton matmul tutorial. Each program recomputes its logit tile
+  once and adds its dH / dW / db contributions to the fp32 outputs with ``tl.atomic_add``, in
+  ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the fp32 gradients.
+- ``deterministic=True``: no float atomics. A dH kernel gives each program one token tile and
+  walks the vocab tiles in order; a dW/db kernel gives each program one vocab tile and walks the
+  token tiles in order. Each output block is owned by exactly one program, which updates it by a
+  plain load-add-store per tile (a [BLOCK_N, D] or [BLOCK_V, D] block does not fit in registers
+  for real D), and db is summed in registers and written once. Every addition happens in a fixed
+  order, so results are bitwise repeatable. Costs one extra logit recompute (4 matmuls vs 3) and
+  fewer programs; again no scratch memory beyond the gradients.
+
+Gradient filtering (``filter_eps``): a tile is skipped when every p-term in it is small relative
+to its row's coefficients, |p * (ALPHA + DELTA * z)| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)
+(for cross-entropy and logprobs that is p * |1 + 2 zl lse| <= filter_eps roughly: the CCE paper's
+"p below the dtype's resolution", independent of the upstream gradient's scale, e.g. 1/N of a
+mean), unless it holds a target with BETA != 0, so the target term stays exact. Rows with all-zero
+coefficients never keep a tile alive. The GAMMA (uniform label
+smoothing) term is handled exactly too: without a softcap it is dropped from the tiles and added
+analytically by the launcher (dH_i += GAMMA_i / T * colsum(W), dW_j += sum_i GAMMA_i / T * h_i,
+db_j += sum_i GAMMA_i / T); with a softcap its per-logit factor 1 - t^2 is not separable, so tiles
+with any GAMMA != 0 row are never skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+
+from . import config as _config
+from ._common import (
+    check_inputs,
+    dot_precision,
+    interp_bf16,
+    interpreting,
+    logit_tile,
+    mma,
+    round_to,
+    transform,
+    use_libdevice,
+)
+
+
+@triton.jit
+def _dz_tile(
+    H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
+    vocab_start, softcap, temperature, filter_eps,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Gradient w.r.t. the raw logits of one tile, fp32 [BLOCK_N, BLOCK_V] (0 outside the valid
+    rows / columns), and whether the tile must be kept (always True without FILTER)."""
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    ok = row_ok[:, None] & col_ok[None, :]
+    raw = logit_tile(H, W, Bias, offs_n, offs_v, N, V, D,
+                     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+                     HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+    z, t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
+
+    lse = tl.load(LSE + offs_n, mask=row_ok, other=0.0)
+    crow = Coef + offs_n * stride_cn
+    alpha = tl.load(crow + 0 * stride_ck, mask=row_ok, other=0.0)
+    beta = tl.load(crow + 1 * stride_ck, mask=row_ok, other=0.0)
+    gamma = tl.load(crow + 2 * stride_ck, mask=row_ok, other=0.0)
+    delta = tl.load(crow + 3 * stride_ck, mask=row_ok, other=0.0)
+    tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+    hit = (offs_v[None, :] == tgt[:, None]) & ok
+
+    p = tl.exp(z - lse[:, None])
+    pterm = tl.where(ok, p * (alpha[:, None] + delta[:, None] * z), 0.0)
+    dz = pterm + tl.where(hit, beta[:, None], 0.0)
+    if GAMMA_IN_TILE:
+        dz += tl.where(ok, gamma[:, None], 0.0)
+    if HAS_TEMP:
+        dz = dz / temperature
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - t * t)
+
+    if FILTER:
+        # Relative to each row's coefficient scale, so the threshold does not depend on the
+        # upstream gradient's magnitude (a mean over many tokens makes every ALPHA tiny).
+        scale = tl.maximum(tl.maximum(tl.abs(alpha), tl.abs(beta)), tl.abs(delta))
+        small = tl.abs(pterm) <= filter_eps * scale[:, None]
+        keep = tl.min(tl.where(small, 1, 0)) == 0
+        keep = keep | (tl.max(tl.where(hit & (beta[:, None] != 0.0), 1, 0)) > 0)
+        if GAMMA_IN_TILE:
+            keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
+    else:
+        keep = True
+    return dz, keep
+
+
+@triton.jit
+def _grads_fused_kernel(
+    H, W, Bias, Targets, LSE, Coef, DH, DW, DB,
+    N, V, D, vocab_start, softcap, temperature, filter_eps,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    stride_dhn, stride_dwv,
+    NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """
+    Fused backward over (token tile, vocab tile) pairs; contributions added with fp32 atomics.
+
+    Parameters:
+    H (pointer): hidden states [N, D], fp32 / bf16 / fp16.
+    W (pointer): weight shard [V, D], same dtype. Bias (pointer): [V] same dtype (if HAS_BIAS).
+    Targets (pointer): [N] int64 global ids. LSE (pointer): fp32 [N] global log-sum-exp.
+    Coef (pointer): fp32 [N, 4] per-row ALPHA, BETA, GAMMA, DELTA.
+    DH (pointer): fp32 [N, D] (if NEED_DH), DW: fp32 [V, D] (if NEED_DW), DB: fp32 [V] (if
+        NEED_DB); all zero-initialised by the caller, contiguous along D.
+    filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_v = tl.cdiv(V, BLOCK_V)
+    per_group = GROUP_N * num_v
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_v = (pid % per_group) // group_size
+
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    dz, keep = _dz_tile(
+        H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
+        vocab_start, softcap, temperature, filter_eps,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+        USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+    if keep:
+        if NEED_DB:
+            tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok)
+        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+        if NEED_DH:
+            for d0 in range(0, D, BLOCK_D_OUT):
+                d_ok = offs_do < D - d0
+                w = tl.load(W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
+                            mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+                part = mma(dzc, w, tl.zeros((BLOCK_N, BLOCK_D_OUT), dtype=tl.float32),
+                           DOT_PRECISION, INTERP_BF16)
+                tl.atomic_add(DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :], part,
+                              mask=row_ok[:, None] & d_ok[None, :])
+        if NEED_DW:
+            dzt = tl.trans(dzc)
+            for d0 in range(0, D, BLOCK_D_OUT):
+                d_ok = offs_do < D - d0
+                h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32),
+                           DOT_PRECISION, INTERP_BF16)
+                tl.atomic_add(DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :], part,
+                              mask=col_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _grads_dh_kernel(
+    H, W, Bias, Targets, LSE, Coef, DH,
+    N, V, D, vocab_start, softcap, temperature, filter_eps,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    stride_dhn,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+):
+    """
+    Deterministic dH: program ``pid`` owns rows [pid * BLOCK_N, ...) of DH (fp32 [N, D], zeroed)
+    and adds the contribution of each vocab tile, in vocab order, by load-add-store.
+    Other parameters as in :func:`_grads_fused_kernel`.
+    """
+    pid = tl.program_id(0)
+    offs_n = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = offs_n < N
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_ok = offs_v < V
+        dz, keep = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        if keep:
+            dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+            for d0 in range(0, D, BLOCK_D_OUT):
+                d_ok = offs_do < D - d0
+                w = tl.load(W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
+                            mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+                ptrs = DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :]
+                msk = row_ok[:, None] & d_ok[None, :]
+                acc = tl.load(ptrs, mask=msk, other=0.0)
+                acc = mma(dzc, w, acc, DOT_PRECISION, INTERP_BF16)
+                tl.store(ptrs, acc, mask=msk)
+
+
+@triton.jit
+def _grads_dw_kernel(
+    H, W, Bias, Targets, LSE, Coef, DW, DB,
+    N, V, D, vocab_start, softcap, temperature, filter_eps,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    stride_dwv,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+):
+    """
+    Deterministic dW / db: program ``pid`` owns vocab rows [pid * BLOCK_V, ...) of DW (fp32
+    [V, D], zeroed) and DB (fp32 [V]); it walks the token tiles in order, updating DW by
+    load-add-store and summing db in registers (one store at the end).
+    Other parameters as in :func:`_grads_fused_kernel`.
+    """
+    pid = tl.program_id(0)
+    offs_v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = offs_v < V
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_ok = offs_n < N
+        dz, keep = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        if keep:
+            if NEED_DB:
+                db += tl.sum(dz, axis=0)
+            if NEED_DW:
+                dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
+                for d0 in range(0, D, BLOCK_D_OUT):
+                    d_ok = offs_do < D - d0
+                    h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
+                                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    ptrs = DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :]
+                    msk = col_ok[:, None] & d_ok[None, :]
+                    acc = tl.load(ptrs, mask=msk, other=0.0)
+                    acc = mma(dzt, h, acc, DOT_PRECISION, INTERP_BF16)
+                    tl.store(ptrs, acc, mask=msk)
+    if NEED_DB:
+        tl.store(DB + offs_v, db, mask=col_ok)
+
+
+_INTERPRET = interpreting(_grads_fused_kernel)
+
+# Rows of ``hidden`` per chunk when the launcher forms sum_i GAMMA_i * h_i: caps the fp32 copy of
+# a chunk at ~8 MB.
+_GAMMA_CHUNK_BYTES = 8 << 20
+
+
+def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
+    """Exact contribution of the GAMMA term when it was left out of the tiles (no softcap):
+    draw_ij = gamma_i (already divided by the temperature) for every local vocab row j."""
+    if dh is not None:
+        dh.addr_(gamma, weight.sum(0, dtype=torch.float32))
+    if dw is not None:
+        n, d = hidden.shape
+        rows = max(1, _GAMMA_CHUNK_BYTES // (4 * max(d, 1)))
+        u = torch.zeros(d, dtype=torch.float32, device=hidden.device)
+        for i in range(0, n, rows):
+            u.add_(gamma[i:i + rows] @ hidden[i:i + rows].float())
+        dw.add_(u)
+    if db is not None:
+        db.add_(gamma.sum())
+
+
+def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
+          _blocks=None):
+    """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
+    float32, None where not needed (``d_bias`` is None when ``bias`` is None).
+
+    ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
+    fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
+    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
+    it relative to their row's coefficient scale (see the module docstring; None = exact). ``deterministic``: no float atomics, bitwise repeatable.
+    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
+    """
+    check_inputs(_INTERPRET, hidden, weight, bias, targets)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    device = hidden.device
+    if lse.shape != (n,):
+        raise ValueError(f"lse must be [N] = [{n}], got {tuple(lse.shape)}")
+    if coef.shape != (n, NUM_COEFS):
+        raise ValueError(f"coef must be [N, {NUM_COEFS}] = [{n}, {NUM_COEFS}], got {tuple(coef.shape)}")
+    need_bias = bool(need_bias) and bias is not None
+    f32 = dict(dtype=torch.float32, device=device)
+    dh = torch.zeros(n, d, **f32) if need_hidden else None
+    dw = torch.zeros(v, d, **f32) if need_weight else None
+    db = torch.zeros(v, **f32) if need_bias else None
+    if n == 0 or v == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
+        return dh, dw, db
+
+    has_softcap = softcap is not None and softcap != 0
+    has_temp = temperature is not None and float(temperature) != 1.0
+    filt = filter_eps is not None
+    gamma_in_tile = not (filt and not has_softcap)
+    interpret = _INTERPRET
+    targets = targets.to(torch.int64)
+    lse = lse.to(torch.float32).contiguous()
+    coef = coef.to(torch.float32)
+
+    if _blocks is not None:
+        bn, bv, bd, bdo = _blocks
+        group_n, warps, stages = 2, 4, 2
+    else:
+        c = _config.INTERPRET_BWD if interpret else _config.backward_config(device, hidden.dtype)
+        bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
+        group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
+    launch = {} if interpret else dict(num_warps=warps, num_stages=stages)
+
+    common = (
+        hidden, weight, bias if bias is not None else hidden, targets, lse, coef,
+    )
+    scalars = (
+        n, v, d, int(vocab_start),
+        float(softcap) if has_softcap else 1.0,
+        float(temperature) if has_temp else 1.0,
+        float(filter_eps) if filt else 0.0,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, targets.stride(0),
+        coef.stride(0), coef.stride(1),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
+        FILTER=filt, GAMMA_IN_TILE=gamma_in_tile,
+        USE_LIBDEVICE=use_libdevice(interpret),
+        DOT_PRECISION=dot_precision(hidden.dtype, interpret),
+        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
+        BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, BLOCK_D_OUT=bdo,
+    )
+    dummy = lse  # never dereferenced: the matching NEED_* flag is False
+
+    if not deterministic:
+        grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
+        _grads_fused_kernel[grid](
+            *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
+            db if db is not None else dummy, *scalars,
+            dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
+            NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
+            GROUP_N=group_n, **flags, **launch,
+        )
+    else:
+        if dh is not None:
+            _grads_dh_kernel[(triton.cdiv(n, bn),)](
+                *common, dh, *scalars, dh.stride(0), **flags, **launch,
+            )
+        if dw is not None or db is not None:
+            _grads_dw_kernel[(triton.cdiv(v, bv),)](
+                *common, dw if dw is not None else dummy, db if db is not None else dummy,
+                *scalars, dw.stride(0) if dw is not None else 0,
+                NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch,
+            )
+
+    if not gamma_in_tile:
+        gamma = coef[:, GAMMA]
+        if has_temp:
+            gamma = gamma / float(temperature)
+        if bool((gamma != 0).any()):
+            _add_uniform_term(hidden, weight, gamma, dh, dw, db)
+    return dh, dw, db
+
+
+__all__ = ["grads", "ALPHA", "BETA", "GAMMA", "DELTA"]

@@ -1,0 +1,190 @@
+"""Forward kernel: per-row statistics of the logits over one vocab shard, without materializing
+them. See :mod:`cce_dist.stats` for the statistics and :mod:`cce_dist.backend` for the contract.
+
+Tiling: program ``(pid_n, pid_s)`` owns the token tile ``pid_n`` and the ``pid_s``-th contiguous
+range of the shard's vocab rows (a "split"). It walks its range in ``BLOCK_V`` tiles, recomputes
+each logit tile with ``tl.dot`` (fp32 accumulation over ``BLOCK_D`` chunks of D), and folds it
+into running per-row statistics held in registers (online max / rescaled sums, as in flash
+attention). Each split writes one ``[N, 5]`` slab; when there is more than one split (small N on
+a big GPU: more programs for occupancy) the slabs are merged with :func:`cce_dist.stats.combine_stack`.
+Extra memory: ``splits * N * 5`` floats.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cce_dist.stats import NUM_STATS, combine_stack, empty_stats
+
+from . import config as _config
+from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
+
+
+@triton.jit
+def _row_stats_kernel(
+    H, W, Bias, Targets, Out,
+    N, V, D, vocab_start, softcap, temperature, v_per_split,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t,
+    stride_os, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """
+    Online row statistics of z = transform(round(H @ W.T + Bias)) over a range of vocab rows.
+
+    Parameters:
+    H (pointer): hidden states, [N, D], fp32 / bf16 / fp16.
+    W (pointer): head weight shard, [V, D], same dtype as H; local row j is global id vocab_start + j.
+    Bias (pointer): [V] same dtype, or a dummy when HAS_BIAS is False.
+    Targets (pointer): [N] int64 global target ids (any id outside the shard never matches).
+    Out (pointer): fp32 [splits, N, 5] output; columns MAX, SUMEXP, TARGET, SUM, ENTROPY.
+    N, V, D (int): sizes. vocab_start (int): global id of local row 0.
+    softcap, temperature (float): used when HAS_SOFTCAP / HAS_TEMP.
+    v_per_split (int): vocab rows per split; program (pid_n, pid_s) covers
+        [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)).
+    BLOCK_N, BLOCK_V, BLOCK_D (constexpr): token tile, vocab tile, reduction chunk.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = offs_n < N
+    tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    e = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_ok = offs_v < v_hi
+        raw = logit_tile(H, W, Bias, offs_n, offs_v, N, V, D,
+                         stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+                         HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        z, _t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
+
+        z_m = tl.where(col_ok[None, :], z, float("-inf"))
+        new_m = tl.maximum(m, tl.max(z_m, axis=1))
+        # Re-express the running sums relative to new_m. m = -inf only before the first tile,
+        # where s = e = 0: take scale = 0 and shift = 0 there (avoid 0 * inf = nan).
+        first = m == float("-inf")
+        scale = tl.where(first, 0.0, tl.exp(m - new_m))
+        shift = tl.where(first, 0.0, m - new_m)
+        e = (e + s * shift) * scale
+        s = s * scale
+
+        zc = z - new_m[:, None]
+        p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
+        s += tl.sum(p, axis=1)
+        e += tl.sum(tl.where(col_ok[None, :], p * zc, 0.0), axis=1)
+        a += tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1)
+        hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]
+        x += tl.sum(tl.where(hit, z, 0.0), axis=1)
+        m = new_m
+
+    out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
+    tl.store(out + 0, m, mask=row_ok)
+    tl.store(out + 1, s, mask=row_ok)
+    tl.store(out + 2, x, mask=row_ok)
+    tl.store(out + 3, a, mask=row_ok)
+    tl.store(out + 4, e, mask=row_ok)
+
+
+_INTERPRET = interpreting(_row_stats_kernel)
+_TUNED: dict = {}
+
+
+def _tuned_kernel(device: torch.device, dtype: torch.dtype):
+    """The forward kernel wrapped in a small autotuner for this GPU generation and dtype."""
+    key = (torch.cuda.get_device_capability(device), dtype)
+    if key not in _TUNED:
+        configs = [
+            triton.Config({"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
+                          num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in _config.forward_autotune_configs(device, dtype)
+        ]
+        _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
+    return _TUNED[key]
+
+
+def _pick_splits(n: int, v: int, device: torch.device) -> int:
+    """Vocab splits so that a small-N launch still fills the GPU (>= ~2 programs per SM)."""
+    token_tiles = triton.cdiv(n, 64)
+    want = triton.cdiv(2 * _config.num_sms(device), token_tiles)
+    # Keep >= 4 max-size vocab tiles per split so the per-split overhead stays small.
+    most = max(1, triton.cdiv(v, 4 * _config.MAX_FWD_BLOCK_V))
+    return max(1, min(want, most))
+
+
+def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature,
+              _splits=None, _blocks=None):
+    """Per-row logit statistics of one vocab shard: ``float32 [N, NUM_STATS]``.
+
+    ``hidden [N, D]``, ``weight [V_local, D]`` (same dtype: fp32/bf16/fp16), ``bias [V_local]`` or
+    None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.backend` for the exact definition.
+    ``_splits`` / ``_blocks`` (tests only) force the number of vocab splits and the
+    ``(BLOCK_N, BLOCK_V, BLOCK_D)`` tiles.
+    """
+    check_inputs(_INTERPRET, hidden, weight, bias, targets)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    device = hidden.device
+    if n == 0:
+        return torch.zeros(0, NUM_STATS, dtype=torch.float32, device=device)
+    if v == 0:
+        return empty_stats(n, device)
+
+    has_softcap = softcap is not None and softcap != 0
+    has_temp = temperature is not None and float(temperature) != 1.0
+    targets = targets.to(torch.int64)
+    interpret = _INTERPRET
+    if _blocks is not None:
+        bn, bv, bd = _blocks
+    elif interpret:
+        c = _config.INTERPRET_FWD
+        bn, bv, bd = c.block_n, c.block_v, c.block_d
+    else:
+        bn = bv = bd = None  # autotuned
+
+    if _splits is not None:
+        splits = max(1, int(_splits))
+    elif interpret:
+        splits = 1
+    else:
+        splits = _pick_splits(n, v, device)
+    unit = bv if bv is not None else _config.MAX_FWD_BLOCK_V
+    v_per_split = triton.cdiv(triton.cdiv(v, splits), unit) * unit
+    splits = triton.cdiv(v, v_per_split)
+
+    out = torch.empty(splits, n, NUM_STATS, dtype=torch.float32, device=device)
+    args = (
+        hidden, weight, bias if bias is not None else hidden, targets, out,
+        n, v, d, int(vocab_start),
+        float(softcap) if has_softcap else 1.0,
+        float(temperature) if has_temp else 1.0,
+        v_per_split,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, targets.stride(0),
+        out.stride(0), out.stride(1),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
+        USE_LIBDEVICE=use_libdevice(interpret),
+        DOT_PRECISION=dot_precision(hidden.dtype, interpret),
+        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
+    )
+    if bn is None:
+        kernel = _tuned_kernel(device, hidden.dtype)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
+        kernel[grid](*args, **flags)
+    else:
+        grid = (triton.cdiv(n, bn), splits)
+        _row_stats_kernel[grid](*args, **flags, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd)
+    return combine_stack(out)

@@ -1,0 +1,608 @@
+"""Triton kernels (cce_dist.kernels) against a plain PyTorch oracle.
+
+Without a GPU the kernels run in Triton's CPU interpreter, which reads TRITON_INTERPRET when
+triton is first imported: it is set below before anything imports triton (conftest.py does the
+same). Shapes stay tiny so the interpreter finishes the file in well under a minute; the
+interpreter config uses 16x32 tiles with 16-wide D chunks, so N in {7, 33}, V_local in {37, 100}
+and D in {16, 40} cover several token / vocab tiles, ragged last tiles and a ragged D loop.
+
+The oracle materializes the logits of the shard in float64 from the same (low-precision) input
+values, rounds them to the compute dtype as the contract says, and applies softcap / temperature /
+statistics / gradients in float64, so it is more exact than any implementation under test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_kernels():
+    """cce_dist.kernels: the installed package, or kernels/ of this checkout under that name."""
+    try:
+        mod = importlib.import_module("cce_dist.kernels")
+        if hasattr(mod, "grads"):
+            return mod
+    except ImportError:
+        pass
+    spec = importlib.util.spec_from_file_location(
+        "cce_dist.kernels", REPO / "kernels" / "__init__.py",
+        submodule_search_locations=[str(REPO / "kernels")],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["cce_dist.kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+K = _load_kernels()
+from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
+from cce_dist.stats import ENTROPY, MAX, SUM, SUMEXP, TARGET  # noqa: E402
+from cce_dist.stats import entropy as stats_entropy  # noqa: E402
+from cce_dist.stats import lse as stats_lse  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+if not K.available():  # pragma: no cover - e.g. a GPU machine where triton is broken
+    pytest.skip("cce_dist.kernels not available", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs and oracle
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(n, d, v, dtype, *, bias, vocab_start, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * (1.5 / d**0.5)  # logits of O(1..3)
+    b = torch.randn(v, generator=g) * 0.5 if bias else None
+    # Global targets: in the shard, below it, above it, and ignored.
+    t = torch.randint(0, vocab_start + v + 20, (n,), generator=g)
+    if n > 2:
+        t[0] = IGNORE
+        t[1] = vocab_start + v - 1  # last local row: the ragged last tile
+    dev = DEVICE
+    return (h.to(dtype).to(dev), w.to(dtype).to(dev),
+            None if b is None else b.to(dtype).to(dev), t.to(dev))
+
+
+def oracle_logits(h, w, b, softcap, temperature):
+    """(raw, c, z) in float64; raw rounded to the compute dtype like F.linear's output."""
+    raw = h.double() @ w.double().T
+    if b is not None:
+        raw = raw + b.double()
+    raw = raw.to(h.dtype).double()
+    c = softcap * torch.tanh(raw / softcap) if softcap else raw
+    return raw, c, c / temperature
+
+
+def local_targets(t, vocab_start, v):
+    loc = t - vocab_start
+    ok = (loc >= 0) & (loc < v)
+    return loc, ok
+
+
+def oracle_stats(h, w, b, t, vocab_start, softcap, temperature):
+    _, _, z = oracle_logits(h, w, b, softcap, temperature)
+    m = z.max(1).values
+    ex = torch.exp(z - m[:, None])
+    loc, ok = local_targets(t, vocab_start, w.shape[0])
+    x = torch.where(ok, z.gather(1, loc.clamp(0, w.shape[0] - 1)[:, None])[:, 0], 0.0)
+    return torch.stack([m, ex.sum(1), x, z.sum(1), (ex * (z - m[:, None])).sum(1)], 1)
+
+
+def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alpha_delta=True):
+    """d raw (float64 [N, V]) for the given coefficients, following the contract literally."""
+    _, c, z = oracle_logits(h, w, b, softcap, temperature)
+    coef = coef.double()
+    p = torch.exp(z - lse.double()[:, None])
+    loc, ok = local_targets(t, vocab_start, w.shape[0])
+    onehot = torch.zeros_like(z)
+    rows = ok.nonzero()[:, 0]
+    onehot[rows, loc[rows]] = 1.0
+    dz = coef[:, BETA, None] * onehot + coef[:, GAMMA, None]
+    if alpha_delta:
+        dz = dz + p * (coef[:, ALPHA, None] + coef[:, DELTA, None] * z)
+    draw = dz / temperature
+    if softcap:
+        draw = draw * (1 - (c / softcap) ** 2)
+    return draw
+
+
+def oracle_grads(h, w, b, t, lse, coef, vocab_start, softcap, temperature):
+    draw = oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature)
+    return draw @ w.double(), draw.T @ h.double(), (draw.sum(0) if b is not None else None)
+
+
+def materialized_grads(h, w, b, t, lse, coef, vocab_start, softcap, temperature):
+    """The usual materialized backward *in the compute dtype*: logits from F.linear in that dtype,
+    softmax math in fp32, d logits rounded to the dtype, gradient matmuls in the dtype (outputs
+    rounded to it). The kernels must be no worse than this."""
+    raw = torch.nn.functional.linear(h, w, b).float()
+    c = softcap * torch.tanh(raw / softcap) if softcap else raw
+    z = c / temperature
+    p = torch.exp(z - lse[:, None])
+    loc, ok = local_targets(t, vocab_start, w.shape[0])
+    onehot = torch.zeros_like(z)
+    rows = ok.nonzero()[:, 0]
+    onehot[rows, loc[rows]] = 1.0
+    dz = p * (coef[:, ALPHA, None] + coef[:, DELTA, None] * z) + coef[:, BETA, None] * onehot
+    dz = dz + coef[:, GAMMA, None]
+    draw = dz / temperature
+    if softcap:
+        draw = draw * (1 - (c / softcap) ** 2)
+    d = draw.to(h.dtype)
+    return (d @ w).float(), (d.T @ h).float(), (d.float().sum(0) if b is not None else None)
+
+
+def make_coef(n, seed=1, zero_rows=(2, 5)):
+    """Random ALPHA, BETA, GAMMA, DELTA per row, a few all-zero rows (they must contribute 0)."""
+    g = torch.Generator().manual_seed(seed)
+    coef = torch.randn(n, 4, generator=g)
+    for r in zero_rows:
+        if r < n:
+            coef[r] = 0.0
+    return coef.to(DEVICE)
+
+
+def shard_lse(h, w, b, softcap, temperature, extra=0.5):
+    """A 'global' lse: this shard's log-sum-exp plus mass from other shards (so p <= 1)."""
+    _, _, z = oracle_logits(h, w, b, softcap, temperature)
+    return (torch.logsumexp(z, 1) + extra).float()
+
+
+def max_err(a, r):
+    return (a.double() - r.double()).abs().max().item()
+
+
+def scale(r):
+    return max(r.double().abs().max().item(), 1e-30)
+
+
+# ------------------------------------------------------------------------------------------------
+# forward: row statistics
+# ------------------------------------------------------------------------------------------------
+
+SHAPES = [(1, 16, 1), (7, 16, 37), (33, 40, 100), (7, 40, 100), (33, 16, 37)]
+# (bias, softcap, temperature, vocab_start): every combination, each on a different shape.
+COMBOS = [
+    (bias, softcap, temp, vs)
+    for bias in (False, True)
+    for softcap in (None, 4.0)
+    for temp in (1.0, 0.7)
+    for vs in (0, 37)
+]
+
+
+def _check_stats(st, h, w, b, t, vocab_start, softcap, temperature):
+    ref = oracle_stats(h, w, b, t, vocab_start, softcap, temperature)
+    assert st.dtype == torch.float32 and st.shape == ref.shape
+    assert torch.isfinite(st).all()
+    v = w.shape[0]
+    raw, _, z = oracle_logits(h, w, b, softcap, temperature)
+    zmax = z.abs().max().item()
+    if h.dtype == torch.float32:
+        # fp32: the kernel's fp32 accumulation order differs from float64 by ~1e-7 relative;
+        # the CPU interpreter's tanh (no libdevice) adds ~1e-7 * softcap absolute.
+        tl_ = 2e-6 * max(zmax, 1.0)
+    else:
+        # bf16/fp16: torch's F.linear and the kernel accumulate in a different order, so an
+        # individual logit may round to the neighbouring value of the compute dtype: one ulp,
+        # <= eps * |raw|, shrunk by softcap (derivative <= 1) and scaled by 1/temperature.
+        tl_ = 2 * torch.finfo(h.dtype).eps * raw.abs().max().item() / temperature
+    assert max_err(st[:, MAX], ref[:, MAX]) <= tl_
+    assert max_err(st[:, TARGET], ref[:, TARGET]) <= tl_
+    assert max_err(st[:, SUM], ref[:, SUM]) <= v * tl_
+    # SUMEXP / ENTROPY are relative to the row max: compare them through lse and entropy (which do
+    # not depend on the max) and, where the max agrees exactly, directly.
+    assert max_err(stats_lse(st), stats_lse(ref)) <= 2 * tl_ + 1e-6
+    assert max_err(stats_entropy(st), stats_entropy(ref)) <= 4 * tl_ * max(zmax, 1.0) + 1e-5
+    same_max = st[:, MAX].double() == ref[:, MAX]
+    if h.dtype == torch.float32 and same_max.any():
+        s_ref = ref[same_max, SUMEXP]
+        assert max_err(st[same_max, SUMEXP], s_ref) <= 1e-5 * scale(s_ref)
+        e_ref = ref[same_max, ENTROPY]
+        assert max_err(st[same_max, ENTROPY], e_ref) <= 1e-5 * (scale(e_ref) + scale(s_ref))
+    # Targets outside the shard (and ignore_index) contribute exactly 0.
+    _, ok = local_targets(t, vocab_start, v)
+    assert (st[~ok, TARGET] == 0).all()
+    return ref
+
+
+@pytest.mark.parametrize("i", range(len(COMBOS)))
+def test_row_stats_fp32_all_combinations(i):
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = SHAPES[i % len(SHAPES)]
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=i)
+    st = K.row_stats(h, w, b, t, vocab_start=vs, softcap=softcap, temperature=temp)
+    _check_stats(st.cpu(), h.cpu(), w.cpu(), None if b is None else b.cpu(), t.cpu(), vs, softcap, temp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("i", [0, 7, 10, 13])
+def test_row_stats_half(dtype, i):
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = (33, 40, 100) if i == 7 else SHAPES[i % len(SHAPES)]
+    h, w, b, t = make_inputs(n, d, v, dtype, bias=bias, vocab_start=vs, seed=100 + i)
+    st = K.row_stats(h, w, b, t, vocab_start=vs, softcap=softcap, temperature=temp)
+    _check_stats(st.cpu(), h.cpu(), w.cpu(), None if b is None else b.cpu(), t.cpu(), vs, softcap, temp)
+
+
+def test_row_stats_rounds_logits_to_compute_dtype():
+    """The target logit and the normalizer come from the same *rounded* logits, so the NLL is never
+    negative even when the target is the unique max; and they equal the bf16-rounded values."""
+    n, d, v = 7, 16, 37
+    h, w, b, t = make_inputs(n, d, v, torch.bfloat16, bias=True, vocab_start=0, seed=3)
+    raw = oracle_logits(h.cpu(), w.cpu(), b.cpu(), None, 1.0)[0]
+    t = raw.argmax(1).to(t.device)  # target = the row max
+    st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0).cpu()
+    assert torch.equal(st[:, TARGET], st[:, MAX])
+    assert (stats_lse(st) - st[:, TARGET] >= 0).all()
+    # Every target logit is exactly representable in bf16 (it was rounded once).
+    assert torch.equal(st[:, TARGET], st[:, TARGET].bfloat16().float())
+
+
+def test_row_stats_vocab_splits_agree():
+    """Several programs over one token tile's vocab (the small-N occupancy path) merge exactly as
+    one program does, up to fp32 rounding of the merge."""
+    h, w, b, t = make_inputs(7, 40, 100, torch.float32, bias=True, vocab_start=37, seed=5)
+    one = K.row_stats(h, w, b, t, vocab_start=37, softcap=3.0, temperature=0.7, _splits=1).cpu()
+    # 4 splits of 32 columns; the last split is ragged (4 columns).
+    four = K.row_stats(h, w, b, t, vocab_start=37, softcap=3.0, temperature=0.7, _splits=4).cpu()
+    assert torch.equal(one[:, MAX], four[:, MAX])
+    assert torch.equal(one[:, TARGET], four[:, TARGET])
+    torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-5)
+    _check_stats(four, h.cpu(), w.cpu(), b.cpu(), t.cpu(), 37, 3.0, 0.7)
+
+
+def test_row_stats_large_logits_entropy_stable():
+    """Logits around 1e3 with a spread of a few units: ENTROPY, kept relative to the running max,
+    must not cancel (the naive sum exp(z - m) * z would lose ~3 digits here)."""
+    h, w, b, t = make_inputs(7, 16, 100, torch.float32, bias=True, vocab_start=0, seed=6)
+    b = b + 1000.0
+    st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0).cpu()
+    ref = oracle_stats(h.cpu(), w.cpu(), b.cpu(), t.cpu(), 0, None, 1.0)
+    assert max_err(stats_entropy(st), stats_entropy(ref)) <= 1e-4
+
+
+def test_row_stats_n0_and_empty_shard():
+    h, w, b, t = make_inputs(0, 16, 37, torch.float32, bias=True, vocab_start=0)
+    st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0)
+    assert st.shape == (0, 5) and st.dtype == torch.float32
+    h, w, b, t = make_inputs(3, 16, 0, torch.float32, bias=True, vocab_start=0)
+    st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0).cpu()
+    assert st.shape == (3, 5) and torch.isneginf(st[:, MAX]).all() and (st[:, 1:] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# backward: gradients
+# ------------------------------------------------------------------------------------------------
+
+
+def _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, **kw):
+    kw.setdefault("need_hidden", True)
+    kw.setdefault("need_weight", True)
+    kw.setdefault("need_bias", b is not None)
+    out = K.grads(h, w, b, t, lse, coef, vocab_start=vs, softcap=softcap, temperature=temp, **kw)
+    return tuple(None if g is None else g.cpu() for g in out)
+
+
+def _cpu(*ts):
+    return tuple(None if x is None else x.cpu() for x in ts)
+
+
+def _check_fp32_grads(got, ref, rtol=1e-5):
+    # fp32: each gradient element is a sum of O(V) or O(N) products accumulated in fp32 (tl.dot)
+    # versus float64 in the oracle; 1e-5 of the output's scale bounds that with margin.
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+            continue
+        assert g.dtype == torch.float32 and g.shape == r.shape
+        assert max_err(g, r) <= rtol * scale(r), (max_err(g, r), scale(r))
+
+
+@pytest.mark.parametrize("i", range(len(COMBOS)))
+def test_grads_fp32_all_combinations(i):
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = SHAPES[(i + 2) % len(SHAPES)]
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=20 + i)
+    lse = shard_lse(*_cpu(h, w, b), softcap, temp).to(DEVICE)
+    coef = make_coef(n, seed=i)
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, deterministic=bool(i % 2))
+    ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, temp)
+    _check_fp32_grads(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("i,deterministic", [(7, False), (10, True), (15, False)])
+def test_grads_half_no_worse_than_materialized(dtype, i, deterministic):
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = 33, 40, 100
+    h, w, b, t = make_inputs(n, d, v, dtype, bias=bias, vocab_start=vs, seed=40 + i)
+    hc, wc, bc, tc = _cpu(h, w, b, t)
+    lse = shard_lse(hc, wc, bc, softcap, temp)
+    coef = make_coef(n, seed=i).cpu()
+    got = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp,
+                     deterministic=deterministic)
+    ref = oracle_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
+    mat = materialized_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
+    for g, r, m in zip(got, ref, mat):
+        if r is None:
+            assert g is None
+            continue
+        # Both round d logits to the compute dtype (the kernel keeps fp32 outputs, the
+        # materialized path also rounds its outputs), so the kernel's error should be at most
+        # the materialized one; 1.5x + 1 ulp of fp32 leaves room for a logit rounding flip.
+        e_k, e_m = max_err(g, r), max_err(m, r)
+        assert e_k <= 1.5 * e_m + 1e-6 * scale(r), (e_k, e_m)
+
+
+def test_grads_need_flags_and_no_bias():
+    h, w, b, t = make_inputs(7, 16, 37, torch.float32, bias=True, vocab_start=0, seed=9)
+    lse = shard_lse(*_cpu(h, w, b), None, 1.0).to(DEVICE)
+    coef = make_coef(7)
+    ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), 0, None, 1.0)
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0,
+                            need_hidden=True, need_weight=False, need_bias=False)
+    assert dw is None and db is None
+    _check_fp32_grads((dh,), ref[:1])
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0,
+                            need_hidden=False, need_weight=False, need_bias=True)
+    assert dh is None and dw is None
+    _check_fp32_grads((db,), ref[2:])
+    for det in (False, True):
+        dh, dw, db = _run_grads(h, w, None, t, lse, coef, 0, None, 1.0, need_bias=True,
+                                deterministic=det)
+        assert db is None
+        ref_nb = oracle_grads(*_cpu(h, w, None, t, lse, coef), 0, None, 1.0)
+        _check_fp32_grads((dh, dw), ref_nb[:2])
+
+
+def test_grads_zero_coef_rows_contribute_nothing():
+    h, w, b, t = make_inputs(7, 16, 37, torch.float32, bias=True, vocab_start=0, seed=10)
+    lse = shard_lse(*_cpu(h, w, b), 3.0, 1.0).to(DEVICE)
+    coef = make_coef(7)
+    coef[3:] = 0
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, 3.0, 1.0)
+    assert (dh[3:] == 0).all() and dh[:3].abs().sum() > 0
+    h2 = h.clone()
+    h2[3:] = 100.0  # rows with zero coefficients cannot influence dW / db
+    dh2, dw2, db2 = _run_grads(h2, w, b, t, lse, coef, 0, 3.0, 1.0, deterministic=True)
+    torch.testing.assert_close(dw2, dw, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(db2, db, rtol=1e-6, atol=1e-7)
+
+
+def test_grads_n0():
+    h, w, b, t = make_inputs(0, 16, 37, torch.float32, bias=True, vocab_start=0)
+    lse = torch.zeros(0, device=DEVICE)
+    coef = torch.zeros(0, 4, device=DEVICE)
+    for det in (False, True):
+        dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0, deterministic=det)
+        assert dh.shape == (0, 16) and dw.shape == (37, 16) and db.shape == (37,)
+        assert (dw == 0).all() and (db == 0).all() and dw.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grads_deterministic_is_bitwise_repeatable(dtype):
+    h, w, b, t = make_inputs(33, 40, 100, dtype, bias=True, vocab_start=37, seed=11)
+    lse = shard_lse(*_cpu(h, w, b), 4.0, 0.7).to(DEVICE)
+    coef = make_coef(33)
+    a = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True)
+    c = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True)
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
+    # ... and agrees with the atomic schedule up to summation order.
+    f = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=False)
+    for x, y in zip(a, f):
+        assert max_err(x, y) <= 1e-5 * scale(y)
+
+
+# ------------------------------------------------------------------------------------------------
+# gradient filtering
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap,deterministic", [(None, False), (None, True), (4.0, False)])
+def test_filter_keeps_target_and_uniform_terms_exact(softcap, deterministic):
+    """With ALPHA = DELTA = 0 every p-term is 0, so a filter with a huge threshold may skip every
+    tile that has no target, yet the BETA (target) and GAMMA (label smoothing) terms must come
+    out exactly as without filtering (GAMMA analytically without a softcap, by not skipping
+    tiles with GAMMA != 0 rows with one)."""
+    n, d, v, vs = 33, 40, 100, 37
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=True, vocab_start=vs, seed=12)
+    lse = shard_lse(*_cpu(h, w, b), softcap, 0.7).to(DEVICE)
+    coef = make_coef(n, seed=3)
+    coef[:, ALPHA] = 0
+    coef[:, DELTA] = 0
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, 0.7, filter_eps=1e30,
+                     deterministic=deterministic)
+    ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, 0.7)
+    _check_fp32_grads(got, ref)
+
+
+def test_filter_error_is_bounded_and_filter_skips():
+    """With random coefficients, skipping tiles whose p-terms are all <= eps * rowscale changes
+    each gradient by at most the sum of the skipped terms (bounded per element below), and with
+    a moderate eps it does skip something (the result differs from the exact one)."""
+    n, d, v, vs, temp = 33, 40, 100, 0, 0.7
+    eps = 0.02
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=True, vocab_start=vs, seed=13)
+    hc, wc, bc, tc = _cpu(h, w, b, t)
+    lse = shard_lse(hc, wc, bc, None, temp, extra=2.0)  # p <= e^-2: most tiles are small
+    coef = make_coef(n, seed=4).cpu()
+    exact = oracle_grads(hc, wc, bc, tc, lse, coef, vs, None, temp)
+    rowscale = coef[:, [ALPHA, BETA, DELTA]].abs().amax(1).double() * eps / temp
+    bound_dh = v * rowscale[:, None] * wc.double().abs().amax(0)[None, :]
+    bound_dw = (rowscale[:, None] * hc.double().abs()).sum(0)[None, :].expand(v, d)
+    bound_db = rowscale.sum()
+    for det in (False, True):
+        dh, dw, db = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, None, temp,
+                                filter_eps=eps, deterministic=det)
+        for g, r, bound in ((dh, exact[0], bound_dh), (dw, exact[1], bound_dw)):
+            assert ((g.double() - r).abs() <= bound + 1e-5 * scale(r)).all()
+        assert ((db.double() - exact[2]).abs() <= bound_db + 1e-5 * scale(exact[2])).all()
+        assert max_err(dh, exact[0]) > 1e-4 * scale(exact[0])  # something was skipped
+    # eps = 0 skips only all-zero tiles: exact.
+    got = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, None, temp, filter_eps=0.0)
+    _check_fp32_grads(got, exact)
+
+
+# ------------------------------------------------------------------------------------------------
+# availability and errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_available():
+    assert K.available() is True
+
+
+def test_mismatched_dtypes_raise():
+    h, w, b, t = make_inputs(3, 16, 37, torch.float32, bias=False, vocab_start=0)
+    with pytest.raises(ValueError, match="compute dtype"):
+        K.row_stats(h.bfloat16(), w, None, t, vocab_start=0, softcap=None, temperature=1.0)
+
+
+def test_cpu_tensors_without_interpreter_raise():
+    """Outside the interpreter, CPU tensors are refused with a message naming the two ways out."""
+    code = textwrap.dedent(f"""
+        import importlib.util, os, sys, torch
+        os.environ.pop("TRITON_INTERPRET", None)
+        sys.path.insert(0, {str(REPO)!r})
+        spec = importlib.util.spec_from_file_location(
+            "cce_dist.kernels", {str(REPO / "kernels" / "__init__.py")!r},
+            submodule_search_locations=[{str(REPO / "kernels")!r}])
+        K = importlib.util.module_from_spec(spec); sys.modules["cce_dist.kernels"] = K
+        spec.loader.exec_module(K)
+        assert K.available() == torch.cuda.is_available()
+        h = torch.randn(2, 8); w = torch.randn(5, 8); t = torch.zeros(2, dtype=torch.long)
+        for call in (
+            lambda: K.row_stats(h, w, None, t, vocab_start=0, softcap=None, temperature=1.0),
+            lambda: K.grads(h, w, None, t, torch.zeros(2), torch.zeros(2, 4), vocab_start=0,
+                            softcap=None, temperature=1.0, need_hidden=True, need_weight=True,
+                            need_bias=False),
+        ):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "TRITON_INTERPRET=1" in str(e) and "impl='torch'" in str(e), e
+            else:
+                raise SystemExit("no error")
+        print("OK")
+    """)
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: production configs (autotuned forward), realistic shapes, 64-bit offsets
+# ------------------------------------------------------------------------------------------------
+
+
+def _chunked_reference(h, w, b, t, vs, softcap, temperature, lse, coef, chunk=1024):
+    """fp32 reference on the GPU, materializing [chunk, V] logits at a time."""
+    stats, dh = [], []
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)
+    db = torch.zeros(w.shape[0], dtype=torch.float32, device=h.device)
+    for i in range(0, h.shape[0], chunk):
+        sl = slice(i, i + chunk)
+        raw = torch.nn.functional.linear(h[sl], w, b).float()
+        c = softcap * torch.tanh(raw / softcap) if softcap else raw
+        z = c / temperature
+        m = z.amax(1)
+        ex = torch.exp(z - m[:, None])
+        loc, ok = local_targets(t[sl], vs, w.shape[0])
+        x = torch.where(ok, z.gather(1, loc.clamp(0, w.shape[0] - 1)[:, None])[:, 0], 0.0)
+        stats.append(torch.stack([m, ex.sum(1), x, z.sum(1), (ex * (z - m[:, None])).sum(1)], 1))
+        p = torch.exp(z - lse[sl, None])
+        cf = coef[sl]
+        dz = p * (cf[:, ALPHA, None] + cf[:, DELTA, None] * z) + cf[:, GAMMA, None]
+        rows = ok.nonzero()[:, 0]
+        dz[rows, loc[rows]] += cf[rows, BETA]
+        draw = dz / temperature
+        if softcap:
+            draw = draw * (1 - (c / softcap) ** 2)
+        dh.append(draw @ w.float())
+        dw += draw.T @ h[sl].float()
+        db += draw.sum(0)
+    return torch.cat(stats), torch.cat(dh), dw, db
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (not interpreted)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_realistic_shape(dtype):
+    torch.manual_seed(0)
+    n, d, v, vs = 2048, 1024, 20000 + 37, 1000
+    dev = "cuda"
+    h = torch.randn(n, d, device=dev).to(dtype)
+    w = (torch.randn(v, d, device=dev) / d**0.5).to(dtype)
+    b = (torch.randn(v, device=dev) * 0.1).to(dtype)
+    t = torch.randint(0, vs + v + 100, (n,), device=dev)
+    t[::7] = IGNORE
+    coef = torch.randn(n, 4, device=dev) / n
+    st = K.row_stats(h, w, b, t, vocab_start=vs, softcap=30.0, temperature=0.9)
+    lse = (stats_lse(st) + 0.1).float()
+    ref_st, ref_dh, ref_dw, ref_db = _chunked_reference(h, w, b, t, vs, 30.0, 0.9, lse, coef)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(stats_lse(st), stats_lse(ref_st), rtol=1e-4, atol=tol)
+    torch.testing.assert_close(st[:, TARGET], ref_st[:, TARGET], rtol=1e-4, atol=tol)
+    for det in (False, True):
+        dh, dw, db = K.grads(h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
+                             need_hidden=True, need_weight=True, need_bias=True, deterministic=det)
+        for g, r in ((dh, ref_dh), (dw, ref_dw), (db, ref_db)):
+            assert max_err(g, r) <= (1e-4 if dtype == torch.float32 else 1e-2) * scale(r)
+    again = K.grads(h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
+                    need_hidden=True, need_weight=True, need_bias=True, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(again, K.grads(
+        h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
+        need_hidden=True, need_weight=True, need_bias=True, deterministic=True)))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (not interpreted)")
+def test_gpu_64bit_offsets():
+    """V_local * D > 2^31 elements: weight / dW offsets need 64-bit arithmetic."""
+    free, _ = torch.cuda.mem_get_info()
+    n, d, v = 64, 4096, (1 << 19) + 17  # V * D = 2^31 + 69632
+    if free < v * d * (2 + 4) * 1.2:
+        pytest.skip("not enough GPU memory")
+    dev = "cuda"
+    torch.manual_seed(0)
+    h = torch.randn(n, d, device=dev).bfloat16()
+    w = (torch.randn(v, d, device=dev) / d**0.5).bfloat16()
+    t = torch.full((n,), v - 1, device=dev)  # targets in the very last rows
+    st = K.row_stats(h, w, None, t, vocab_start=0, softcap=None, temperature=1.0)
+    tail = slice(v - 300, v)
+    z_tail = (h.float() @ w[tail].float().T).bfloat16().float()
+    torch.testing.assert_close(st[:, TARGET], z_tail[:, -1], rtol=0, atol=0)
+    lse = stats_lse(st).float()
+    coef = torch.zeros(n, 4, device=dev)
+    coef[:, BETA] = 1.0  # only the target term: dW rows = sum of h over rows targeting them
+    _, dw, _ = K.grads(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=1.0,
+                       need_hidden=False, need_weight=True, need_bias=False, filter_eps=1e30)
+    torch.testing.assert_close(dw[-1], h.float().sum(0), rtol=1e-5, atol=1e-4)
+    assert dw[: v - 1].abs().max().item() == 0.0
