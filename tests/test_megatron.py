@@ -64,15 +64,15 @@ def _megatron_body(rank, world, group):
         rows = slice(lo, hi)
         tok = slice(rank * S // TP, (rank + 1) * S // TP)  # this rank's sequence slice under SP
 
-        def config(sp):
+        def config(sp, dtype=torch.float32):
             return ModelParallelConfig(
                 tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True,
-                perform_initialization=True, gradient_accumulation_fusion=False, params_dtype=torch.float32,
+                perform_initialization=True, gradient_accumulation_fusion=False, params_dtype=dtype,
             )
 
-        def layer(sp, bias, tied, w_full, b_full, **extra):
+        def layer(sp, bias, tied, w_full, b_full, dtype=torch.float32, **extra):
             torch.manual_seed(0)  # _initialize_affine_weight_cpu draws the master weight on every rank
-            lyr = ColumnParallelLinear(H, V, config=config(sp), init_method=torch.nn.init.xavier_normal_,
+            lyr = ColumnParallelLinear(H, V, config=config(sp, dtype), init_method=torch.nn.init.xavier_normal_,
                                        bias=bias, gather_output=False, skip_weight_param_allocation=tied,
                                        **extra)
             assert lyr.sequence_parallel == sp
@@ -185,6 +185,24 @@ def _megatron_body(rank, world, group):
         _close("[disable_grad_reduce] dW", lyr.weight.grad, want_dw)
         _close("[disable_grad_reduce] db", lyr.bias.grad, want_db)
         cases += 1
+
+        # bf16 weights and activations (Megatron casts the bf16 logits to fp32 for the loss; cce_dist
+        # rounds logits to bf16 too and accumulates in fp32): agreement to bf16 resolution
+        hidden, labels, labels_ign, ignored, grad_up, w_full, b_full = _inputs(500)
+        hidden = hidden.bfloat16()
+        ref = layer(False, True, False, w_full, b_full, dtype=torch.bfloat16)
+        want_loss, want_dh, want_dw, want_db = reference(ref, hidden, labels, grad_up, None)
+        lyr = layer(False, True, False, w_full, b_full, dtype=torch.bfloat16)
+        h = hidden.clone().requires_grad_(True)
+        loss = output_layer_loss(lyr, h, labels_ign)
+        (loss * grad_up).sum().backward()
+        assert loss.dtype == torch.float32 and h.grad.dtype == lyr.weight.grad.dtype == torch.bfloat16
+        _close("[bf16] loss", loss[~ignored], want_loss[~ignored].float(), atol=3e-2, rtol=1e-2)
+        for name, got, want in (("dH", h.grad, want_dh), ("dW", lyr.weight.grad, want_dw),
+                                ("db", lyr.bias.grad, want_db)):
+            scale = want.float().abs().max().item()
+            _close(f"[bf16] {name}", got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
+        cases += 1
         return cases
     finally:
         parallel_state.destroy_model_parallel()
@@ -192,7 +210,7 @@ def _megatron_body(rank, world, group):
 
 def test_output_layer_loss_matches_megatron_tp2(tmp_path):
     out = run_ranks(_megatron_body, TP, tmp_path, timeout=240)
-    assert out == {0: 12, 1: 12}
+    assert out == {0: 13, 1: 13}
 
 
 class _FakeLayer:
