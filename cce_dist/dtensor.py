@@ -1,0 +1,136 @@
+"""DTensor inputs: a vocab-sharded head weight is turned into (local shard, :class:`VocabShard`).
+
+:func:`cce_dist.linear_cross_entropy` / :func:`cce_dist.linear_logprobs` call
+:func:`from_dtensor` when the weight or the hidden states are ``torch.distributed.tensor.DTensor``
+(e.g. the output layer of a torchtitan model parallelized with
+``ColwiseParallel(use_local_output=False)``, whose weight is ``Shard(0)`` over the TP mesh).
+
+Accepted layouts, on a 1-D device mesh:
+
+- ``weight``: ``Shard(0)`` -> its local rows with ``shard=VocabShard(mesh group, start, stop)``,
+  ``start``/``stop`` taken from DTensor's own (``torch.chunk``-style, possibly uneven) split;
+  ``Replicate()`` -> the local (full) tensor, no shard. Gradients flow back into the DTensor
+  parameter through ``to_local`` (``weight.grad`` is a ``Shard(0)`` DTensor).
+- ``bias``: the same placement as the weight (or a plain tensor of the local shape).
+- ``hidden``: a plain tensor (identical on every rank), or a DTensor on the same mesh: replicated
+  -> ``to_local``; sharded on any dimension -> all-gathered first (``redistribute`` to
+  ``Replicate``; its backward hands each rank its slice of the full, already-reduced gradient).
+- ``targets``: a plain tensor, or a DTensor (gathered with ``full_tensor``).
+
+Anything else (``Partial``, ``Shard(1)`` weights, multi-dimensional meshes, meshes that differ
+between arguments) raises a ``ValueError`` naming the argument. A ``shard=`` passed together with
+a sharded DTensor weight must describe the same rows; its other fields (``stats_collective``,
+``check``, ...) are kept, so they can still be tuned.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .options import _CommonOptions
+from .parallel import VocabShard
+
+__all__ = ["from_dtensor"]
+
+
+def _types():
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return DTensor, Partial, Replicate, Shard
+
+
+def _mesh_1d(name: str, t) -> "object":
+    mesh = t.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"cce_dist: {name} is a DTensor on a {mesh.ndim}-D device mesh {tuple(mesh.shape)}; only 1-D meshes "
+            f"(the tensor-parallel dimension) are supported: pass {name}.to_local() of the TP sub-mesh instead"
+        )
+    return mesh
+
+
+def _placement_str(t) -> str:
+    return "(" + ", ".join(str(p) for p in t.placements) + ")"
+
+
+def _weight_shard(weight, opts: _CommonOptions):
+    """(local weight, VocabShard or None) of a DTensor weight."""
+    DTensor, Partial, Replicate, Shard = _types()
+    mesh = _mesh_1d("weight", weight)
+    (pl,) = weight.placements
+    if isinstance(pl, Replicate):
+        return weight.to_local(), None, mesh
+    if isinstance(pl, Shard) and pl.dim % weight.dim() == 0:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        start, stop = int(offset[0]), int(offset[0]) + int(local_shape[0])
+        return weight.to_local(), (mesh.get_group(), start, stop), mesh
+    raise ValueError(
+        f"cce_dist: weight is a DTensor with placements {_placement_str(weight)}; supported are Shard(0) "
+        "(vocab-parallel, e.g. ColwiseParallel) and Replicate()"
+    )
+
+
+def _same_mesh(name: str, t, mesh) -> None:
+    if t.device_mesh != mesh:
+        raise ValueError(f"cce_dist: {name} is a DTensor on a different device mesh than weight")
+
+
+def from_dtensor(hidden, weight, targets, bias, opts: _CommonOptions):
+    """Translate DTensor arguments into local tensors and options with the derived ``shard``.
+
+    Returns ``(hidden, weight_local, targets, bias_local, opts)`` ready for the regular path.
+    """
+    DTensor, Partial, Replicate, Shard = _types()
+    mesh = None
+    shard_info = None
+    if isinstance(weight, DTensor):
+        weight, shard_info, mesh = _weight_shard(weight, opts)
+
+    if isinstance(bias, DTensor):
+        _mesh_1d("bias", bias)
+        if mesh is None:
+            raise ValueError("cce_dist: bias is a DTensor but weight is not; pass both as DTensors or neither")
+        _same_mesh("bias", bias, mesh)
+        (pl,) = bias.placements
+        want = Replicate if shard_info is None else Shard
+        if not isinstance(pl, want) or (isinstance(pl, Shard) and pl.dim % max(bias.dim(), 1) != 0):
+            raise ValueError(
+                f"cce_dist: bias is a DTensor with placements {_placement_str(bias)}; it must be placed like "
+                f"weight ({'Replicate()' if shard_info is None else 'Shard(0)'})"
+            )
+        bias = bias.to_local()
+
+    if isinstance(hidden, DTensor):
+        hmesh = _mesh_1d("hidden", hidden)
+        if mesh is not None:
+            _same_mesh("hidden", hidden, mesh)
+        (pl,) = hidden.placements
+        if isinstance(pl, Partial):
+            raise ValueError(
+                "cce_dist: hidden is a Partial DTensor (pending reduction); reduce it first "
+                "(hidden.redistribute(placements=[Replicate()]))"
+            )
+        if not isinstance(pl, Replicate):
+            hidden = hidden.redistribute(hmesh, [Replicate()])
+        hidden = hidden.to_local()
+
+    if isinstance(targets, DTensor):
+        targets = targets.full_tensor()
+
+    if shard_info is not None:
+        group, start, stop = shard_info
+        given: Optional[VocabShard] = opts.shard
+        if given is None:
+            shard = VocabShard(group, start, stop)
+        else:
+            if (given.start, given.stop) != (start, stop):
+                raise ValueError(
+                    f"cce_dist: shard=VocabShard(start={given.start}, stop={given.stop}) disagrees with the DTensor "
+                    f"weight's local rows [{start}, {stop}); omit shard= to derive it from the placement"
+                )
+            shard = given
+        opts = opts.replace(shard=shard)
+    return hidden, weight, targets, bias, opts
+

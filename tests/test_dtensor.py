@@ -1,0 +1,138 @@
+"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle, gloo world 2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_ranks
+
+dt = pytest.importorskip("torch.distributed.tensor")
+
+
+def _oracle_ce(h, w, b, t, *, label_smoothing=0.0, softcap=None, reduction="mean"):
+    z = F.linear(h.float(), w.float(), None if b is None else b.float())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, t, ignore_index=-100, reduction=reduction, label_smoothing=label_smoothing)
+
+
+def _oracle_logprobs(h, w, t, temperature):
+    z = F.linear(h.float(), w.float()) / temperature
+    logp = torch.log_softmax(z, -1)
+    valid = t != -100
+    lp = logp.gather(1, t.clamp(min=0)[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def _leaf(x):
+    return x.detach().clone().requires_grad_(True)
+
+
+def _close(a, b, what, rtol=2e-5, atol=2e-6):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def body_dtensor(rank, world, group, vocab, d, n):
+    import cce_dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)  # identical full tensors on every rank
+    W = torch.randn(vocab, d, generator=g)
+    B = torch.randn(vocab, generator=g)
+    H = torch.randn(n, d, generator=g)
+    T = torch.randint(0, vocab, (n,), generator=g)
+    T[1] = -100
+    T[0] = vocab - 1  # a target in the last (smaller, for uneven V) shard
+
+    # 1) Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle
+    w_ref, b_ref, h_ref = _leaf(W), _leaf(B), _leaf(H)
+    ref = _oracle_ce(h_ref, w_ref, b_ref, T, label_smoothing=0.1, softcap=2.5)
+    ref.backward()
+    wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
+    bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
+    h = _leaf(H)
+    local_rows = wd.to_local().shape[0]
+    assert local_rows == torch.chunk(torch.arange(vocab), world)[rank].numel()
+    loss = cce_dist.linear_cross_entropy(h, wd, T, bias=bd, label_smoothing=0.1, softcap=2.5, impl="torch")
+    loss.backward()
+    assert not isinstance(loss, DTensor)
+    _close(loss, ref, "loss")
+    assert isinstance(wd.grad, DTensor) and wd.grad.placements == (Shard(0),)
+    _close(wd.grad.full_tensor(), w_ref.grad, "dW")
+    _close(bd.grad.full_tensor(), b_ref.grad, "db")
+    _close(h.grad, h_ref.grad, "dH")
+
+    # 2) logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)
+    w_ref, h_ref = _leaf(W), _leaf(H)
+    lp_ref, ent_ref = _oracle_logprobs(h_ref, w_ref, T, temperature=0.8)
+    gl, ge = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.5, n)
+    ((lp_ref * gl).sum() + (ent_ref * ge).sum()).backward()
+    for placement in (Replicate(), Shard(0)):
+        wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
+        hd = distribute_tensor(H, mesh, [placement]).requires_grad_(True)
+        lp, ent = cce_dist.linear_logprobs(hd, wd, T, temperature=0.8, return_entropy=True, impl="torch")
+        assert lp.shape == (n,) and not isinstance(lp, DTensor)
+        _close(lp, lp_ref, f"logprob ({placement})")
+        _close(ent, ent_ref, f"entropy ({placement})")
+        ((lp * gl).sum() + (ent * ge).sum()).backward()
+        _close(wd.grad.full_tensor(), w_ref.grad, f"dW logprob ({placement})", atol=1e-5)
+        assert hd.grad.placements == (placement,)
+        _close(hd.grad.full_tensor(), h_ref.grad, f"dH logprob ({placement})", atol=1e-5)
+
+    # 3) Replicate weight: no shard, the single-device path on every rank
+    wr = distribute_tensor(W, mesh, [Replicate()]).requires_grad_(True)
+    loss = cce_dist.linear_cross_entropy(H, wr, T, reduction="sum", impl="torch")
+    _close(loss, _oracle_ce(H, W, None, T, reduction="sum"), "loss (Replicate weight)")
+
+    # 4) clear errors naming the argument (raised on every rank, before any collective)
+    w1 = distribute_tensor(W, mesh, [Shard(1)])
+    with pytest.raises(ValueError, match="weight is a DTensor with placements"):
+        cce_dist.linear_cross_entropy(H, w1, T)
+    hp = DTensor.from_local(H, mesh, [Partial()])
+    with pytest.raises(ValueError, match="hidden is a Partial DTensor"):
+        cce_dist.linear_cross_entropy(hp, distribute_tensor(W, mesh, [Shard(0)]), T)
+    ws = distribute_tensor(W, mesh, [Shard(0)])
+    wrong = cce_dist.VocabShard(group, 0, vocab) if rank == 0 else cce_dist.VocabShard(group, 0, 0)
+    with pytest.raises(ValueError, match="disagrees with the DTensor"):
+        cce_dist.linear_cross_entropy(H, ws, T, shard=wrong)
+
+    # 5) torchtitan style: ColwiseParallel output layer, the loss called on its weight
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(1)
+    model = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "output": torch.nn.Linear(d, vocab, bias=False)})
+    with torch.no_grad():
+        model["output"].weight.copy_(W)
+    h_in = _leaf(H)
+    ref = _oracle_ce(model["norm"](h_in), model["output"].weight, None, T)
+    ref.backward()
+    ref_dw = model["output"].weight.grad.clone()
+    ref_dn = model["norm"].weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    parallelize_module(model, mesh, {"output": ColwiseParallel(use_local_output=False)})
+    w_out = model["output"].weight
+    assert isinstance(w_out, DTensor) and w_out.placements == (Shard(0),)
+    loss = cce_dist.linear_cross_entropy(model["norm"](H), w_out, T, impl="torch")
+    loss.backward()
+    _close(loss, ref.detach(), "loss (ColwiseParallel)")
+    _close(w_out.grad.full_tensor(), ref_dw, "dW (ColwiseParallel)")
+    _close(model["norm"].weight.grad, ref_dn, "d norm (ColwiseParallel): dH reduced exactly once")
+    return local_rows
+
+
+@pytest.mark.parametrize("vocab", [11])  # uneven: torch.chunk gives rows [0, 6) and [6, 11)
+def test_dtensor_head_world2(tmp_path, vocab):
+    res = run_ranks(body_dtensor, world=2, tmp_path=tmp_path, kw=dict(vocab=vocab, d=8, n=7))
+    assert res == {0: 6, 1: 5}
+
+
+def test_from_dtensor_passes_plain_tensors_through():
+    from cce_dist.dtensor import from_dtensor
+    from cce_dist.options import CrossEntropyOptions
+
+    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    opts = CrossEntropyOptions()
+    out = from_dtensor(h, w, t, None, opts)
+    assert out[0] is h and out[1] is w and out[2] is t and out[3] is None and out[4] is opts
