@@ -1,0 +1,544 @@
+"""Property-based fuzzing of every public entry point against the materialized oracle (issue 7).
+
+Single process (hypothesis): ``linear_cross_entropy``, ``LinearCrossEntropy`` and
+``linear_logprobs`` on random shapes (N = 0 and 1, V = 1, V smaller than a chunk, V and D not a
+multiple of anything, batched ``[B, T]`` targets), dtypes (fp32 / bf16 / fp16 heads, mixed
+hidden dtypes), every option (reduction, label smoothing, z-loss, softcap, temperature, shift,
+ignore_index incl. an in-vocab one, all-ignored rows, chunk sizes down to one logit, the
+grad-in-forward schedule, return_lse / return_entropy, filter_eps, deterministic), random
+upstream gradients and random subsets of inputs requiring grad; for the torch implementation and
+the Triton kernels in the interpreter (tiny shapes there: the interpreter is slow). Each example
+checks outputs and gradients against ``tests/oracle.py`` (forward, backward, dtypes, shapes) and
+that no input was written in place.
+
+Sharded (gloo): one spawn of 3 ranks runs a fixed list of seeded random cases (hypothesis inside
+spawned children is awkward): random uneven layouts (empty shards included), N (0 and 1
+included), V, D, dtypes, options, sequence parallelism, ``reduce_hidden_grad``, both statistics
+collectives, both implementations; every rank checks its loss / lse / logprobs / entropy and its
+dW / db slice and dH against the oracle, and that all ranks got bitwise the same loss.
+
+Budget. CI runs a fixed number of examples, derandomized (the same examples every run) and
+without deadlines. Long mode: ``CCE_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py`` sets the
+example count of every single-process property to that number (and scales the sharded cases with
+it) and draws fresh random examples (``derandomize=False``; hypothesis prints a reproducer blob
+for any failure).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from oracle import oracle_cross_entropy, oracle_logprobs
+
+hyp = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import cce_dist  # noqa: E402
+from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs  # noqa: E402
+
+LONG = int(os.environ.get("CCE_FUZZ_EXAMPLES", "0") or 0)
+
+
+def fuzz_settings(ci_examples: int) -> settings:
+    """CI: ``ci_examples`` fixed, derandomized examples; long mode: CCE_FUZZ_EXAMPLES fresh ones."""
+    return settings(
+        max_examples=LONG or ci_examples,
+        derandomize=not LONG,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
+
+
+# examples per property in CI (the figures in docs/reliability.md are derived from these)
+CI_TORCH_CE = 120
+CI_TORCH_LP = 80
+CI_TRITON_CE = 14
+CI_TRITON_LP = 8
+CI_SHARDED_TORCH = 70  # per spawn, every rank runs all of them
+CI_SHARDED_TRITON = 4
+
+
+def _triton_ok() -> bool:
+    try:
+        from cce_dist import kernels
+
+        return kernels.available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+TRITON = _triton_ok()
+needs_triton = pytest.mark.skipif(not TRITON, reason="cce_dist.kernels unavailable (triton missing / no interpreter)")
+
+EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+# ----------------------------------------------------------------------------------------------
+# comparison helpers (shared with test_numerics.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def close_report(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
+    """None if ``got`` matches ``want`` (non-finite entries must match exactly), else a message."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g, w = got.detach().double(), want.detach().double()
+    fin = torch.isfinite(w)
+    if not torch.equal(torch.isnan(g), torch.isnan(w)):
+        return f"NaN pattern differs: got {torch.isnan(g).nonzero().flatten().tolist()[:8]}, want " \
+               f"{torch.isnan(w).nonzero().flatten().tolist()[:8]}"
+    inf_w = torch.isinf(w)
+    if not torch.equal(g[inf_w], w[inf_w]) or bool(torch.isinf(g[~inf_w]).any()):
+        return "Inf pattern differs"
+    if fin.any():
+        err = (g[fin] - w[fin]).abs()
+        lim = atol + rtol * w[fin].abs()
+        if bool((err > lim).any()):
+            k = int(torch.argmax(err - lim))
+            return f"max err {float(err.max()):.3g} (at {k}: got {float(g[fin][k]):.6g}, want {float(w[fin][k]):.6g}, " \
+                   f"atol {atol:.3g}, rtol {rtol:.3g})"
+    return None
+
+
+def grad_tol(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """Absolute tolerance for a gradient in ``dtype``: a few units of its resolution at its scale."""
+    scale = float(ref.detach().float().abs().max()) if ref.numel() else 0.0
+    k = 2e-5 if dtype == torch.float32 else 12 * EPS[dtype]
+    return k * scale + (1e-7 if dtype == torch.float32 else EPS[dtype] * 1e-2)
+
+
+def leaves(*ts, need=None):
+    need = need or (True,) * len(ts)
+    return [None if t is None else t.detach().clone().requires_grad_(bool(r and t.is_floating_point()))
+            for t, r in zip(ts, need)]
+
+
+def backward_grads(outputs, inputs, upstreams):
+    pairs = [(o, u) for o, u in zip(outputs, upstreams) if o is not None and o.requires_grad]
+    if not pairs:
+        return [None] * len(inputs)
+    torch.autograd.backward([o for o, _ in pairs], [u for _, u in pairs])
+    return [None if (x is None or not x.requires_grad) else x.grad for x in inputs]
+
+
+# ----------------------------------------------------------------------------------------------
+# case generation
+# ----------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@st.composite
+def problems(draw, *, max_n=40, max_d=24, max_v=70, low_precision=True, small=False):
+    """(hidden, weight, bias, targets, meta) of a random problem (targets may hold ignore_index)."""
+    if small:
+        n = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 9]))
+        d = draw(st.integers(1, max_d))
+        v = draw(st.sampled_from([1, 2, 3, 7, 16, 31, 33, 40]))
+    else:
+        n = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, max_n)))
+        d = draw(st.one_of(st.sampled_from([1, 2, 3]), st.integers(1, max_d)))
+        v = draw(st.one_of(st.sampled_from([1, 2, 3]), st.integers(1, max_v)))
+    batched = draw(st.booleans()) and n > 0 and n % 2 == 0
+    shape = (2, n // 2) if batched else (n,)
+    wdtype = draw(st.sampled_from(DTYPES)) if low_precision else torch.float32
+    hdtype = draw(st.sampled_from([wdtype, torch.float32, torch.bfloat16])) if low_precision else torch.float32
+    use_bias = draw(st.booleans())
+    scale = draw(st.sampled_from([0.05, 0.5, 1.0, 3.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(*shape, d, generator=g) * scale).to(hdtype)
+    w = (torch.randn(v, d, generator=g) / math.sqrt(d) * 2).to(wdtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(wdtype) if use_bias else None
+    ignore_index = draw(st.sampled_from([-100, -1, 0] if v > 1 else [-100, -1]))
+    ignore_mode = draw(st.sampled_from(["none", "some", "some", "all"]))
+    t = torch.randint(0, v, shape, generator=g)
+    if ignore_mode == "some":
+        t = torch.where(torch.rand(shape, generator=g) < 0.3, torch.full_like(t, ignore_index), t)
+    elif ignore_mode == "all":
+        t = torch.full_like(t, ignore_index)
+    if draw(st.booleans()):
+        t = t.to(torch.int32)
+    need = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    return h, w, b, t, dict(n=n, d=d, v=v, ignore_index=ignore_index, need=need, seed=seed, wdtype=wdtype,
+                            hdtype=hdtype)
+
+
+def _compute_dtype(h, w):
+    return w.dtype
+
+
+def _logit_bound(h, w, b):
+    """max |raw logit| (a cheap bound for tolerances), computed in fp32."""
+    if h.numel() == 0 or w.numel() == 0:
+        return 0.0
+    z = h.reshape(-1, h.shape[-1]).float() @ w.float().t()
+    if b is not None:
+        z = z + b.float()
+    return float(z.abs().max())
+
+
+def fwd_tol(dtype, zmax, *, z_loss=0.0, v=1, n_sum=1):
+    e = EPS[dtype] if dtype != torch.float32 else 2e-6
+    lse_mag = zmax + math.log(max(v, 1)) + 1
+    base = 4 * e * (1 + lse_mag) * (1 + 2 * z_loss * lse_mag)
+    return base * n_sum, 4 * e
+
+
+# ----------------------------------------------------------------------------------------------
+# single-process properties
+# ----------------------------------------------------------------------------------------------
+
+
+def check_cross_entropy(data, impl: str, small: bool):
+    h, w, b, t, m = data.draw(problems(small=small, low_precision=True), label="problem")
+    n, v = m["n"], m["v"]
+    reduction = data.draw(st.sampled_from(["mean", "sum", "none"]), label="reduction")
+    eps = data.draw(st.sampled_from([0.0, 0.0, 0.1, 1.0]) | st.floats(0, 1), label="label_smoothing")
+    zl = data.draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1]), label="z_loss")
+    softcap = data.draw(st.sampled_from([None, None, 0.7, 5.0, 30.0]), label="softcap")
+    shift = data.draw(st.sampled_from([False, True, 0, 2]), label="shift")
+    chunk = data.draw(st.sampled_from([1, 3, max(v - 1, 1), 64, cce_dist.options.DEFAULT_CHUNK_SIZE]), label="chunk")
+    gif = data.draw(st.sampled_from([None, False, True]), label="grad_in_forward")
+    ret_lse = data.draw(st.booleans(), label="return_lse")
+    module = data.draw(st.booleans(), label="module form")
+    extra = {}
+    if impl == "triton":
+        extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
+        extra["deterministic"] = data.draw(st.booleans(), label="deterministic")
+    kw = dict(ignore_index=m["ignore_index"], reduction=reduction, label_smoothing=eps, z_loss=zl, softcap=softcap,
+              shift=shift, impl=impl, return_lse=ret_lse, chunk_size=chunk, grad_in_forward=gif, **extra)
+    h1, w1, b1 = leaves(h, w, b, need=m["need"])
+    h2, w2, b2 = leaves(h, w, b, need=m["need"])
+    before = [x.clone() for x in (h, w, t)] + ([b.clone()] if b is not None else [])
+    if module:
+        out = LinearCrossEntropy(**kw)(h1, w1, t, b1)
+    else:
+        out = linear_cross_entropy(h1, w1, t, bias=b1, **kw)
+    cd = _compute_dtype(h, w)
+    ref = oracle_cross_entropy(h2, w2, t, b2, ignore_index=m["ignore_index"], reduction=reduction,
+                               label_smoothing=eps, z_loss=zl, softcap=softcap, shift=shift, dtype=cd,
+                               return_lse=True)
+    loss, lse = out if ret_lse else (out, None)
+    rloss, rlse = ref
+    fails = []
+    tshape = tuple(t.shape)
+    if loss.dtype != torch.float32:
+        fails.append(f"loss dtype {loss.dtype}")
+    if tuple(loss.shape) != (tshape if reduction == "none" else ()):
+        fails.append(f"loss shape {tuple(loss.shape)}")
+    zmax = _logit_bound(h, w.to(cd), None if b is None else b.to(cd))
+    if softcap is not None:
+        zmax = min(zmax, softcap)
+    atol, rtol = fwd_tol(cd, zmax, z_loss=zl, v=v, n_sum=max(n, 1) if reduction == "sum" else 1)
+    r = close_report(loss, rloss, atol, rtol)
+    if r:
+        fails.append(f"loss: {r}")
+    if ret_lse:
+        if lse.dtype != torch.float32 or tuple(lse.shape) != tshape:
+            fails.append(f"lse dtype/shape {lse.dtype} {tuple(lse.shape)}")
+        elif (r := close_report(lse, rlse, *fwd_tol(cd, zmax, v=v))):
+            fails.append(f"lse: {r}")
+    # upstream gradients: a random scalar / per-token tensor for the loss, per-token for the lse
+    g = torch.Generator().manual_seed(m["seed"] + 1)
+    gl = torch.randn(rloss.shape, generator=g) if reduction == "none" else torch.tensor(float(torch.rand(1, generator=g)) + 0.5)
+    gs = torch.randn(rlse.shape, generator=g)
+    outs = [loss] + ([lse] if ret_lse else [])
+    refs = [rloss] + ([rlse] if ret_lse else [])
+    ups = [gl] + ([gs] if ret_lse else [])
+    if any(o.requires_grad for o in refs):
+        got = backward_grads(outs, (h1, w1, b1), ups)
+        want = backward_grads(refs, (h2, w2, b2), ups)
+        for name, x, y, src in zip("hwb", got, want, (h, w, b)):
+            if y is None:
+                if x is not None:
+                    fails.append(f"d{name} given but not wanted")
+                continue
+            if x is None:
+                fails.append(f"d{name} missing")
+                continue
+            if x.dtype != src.dtype:
+                fails.append(f"d{name} dtype {x.dtype} != {src.dtype}")
+            lowp = cd if cd != torch.float32 else src.dtype
+            tol = grad_tol(lowp, y) * (1 + 2 * zl * (zmax + math.log(max(v, 1)) + 1))
+            if (r := close_report(x.float(), y.float(), tol, 0.0)):
+                fails.append(f"d{name}: {r}")
+    after = [h, w, t] + ([b] if b is not None else [])
+    if not all(torch.equal(a, c) for a, c in zip(before, after)):
+        fails.append("an input was modified in place")
+    assert not fails, f"{impl} cross-entropy {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
+        "; ".join(fails)
+
+
+def check_logprobs(data, impl: str, small: bool):
+    h, w, b, t, m = data.draw(problems(small=small, low_precision=True), label="problem")
+    n, v = m["n"], m["v"]
+    softcap = data.draw(st.sampled_from([None, None, 0.7, 5.0]), label="softcap")
+    temp = data.draw(st.sampled_from([1.0, 1.0, 0.3, 2.5]), label="temperature")
+    shift = data.draw(st.sampled_from([False, True, 3]), label="shift")
+    ret_ent = data.draw(st.booleans(), label="return_entropy")
+    chunk = data.draw(st.sampled_from([1, 5, 64, cce_dist.options.DEFAULT_CHUNK_SIZE]), label="chunk")
+    extra = {}
+    if impl == "triton":
+        extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
+        extra["deterministic"] = data.draw(st.booleans(), label="deterministic")
+    kw = dict(ignore_index=m["ignore_index"], softcap=softcap, temperature=temp, shift=shift, impl=impl,
+              return_entropy=ret_ent, chunk_size=chunk, **extra)
+    h1, w1, b1 = leaves(h, w, b, need=m["need"])
+    h2, w2, b2 = leaves(h, w, b, need=m["need"])
+    out = linear_logprobs(h1, w1, t, bias=b1, **kw)
+    cd = _compute_dtype(h, w)
+    rlp, rent = oracle_logprobs(h2, w2, t, b2, ignore_index=m["ignore_index"], softcap=softcap, temperature=temp,
+                                shift=shift, dtype=cd, return_entropy=True)
+    lp, ent = out if ret_ent else (out, None)
+    fails = []
+    zmax = _logit_bound(h, w.to(cd), None if b is None else b.to(cd))
+    if softcap is not None:
+        zmax = min(zmax, softcap)
+    zmax /= temp
+    atol, rtol = fwd_tol(cd, zmax, v=v)
+    if lp.dtype != torch.float32 or tuple(lp.shape) != tuple(t.shape):
+        fails.append(f"logprobs dtype/shape {lp.dtype} {tuple(lp.shape)}")
+    elif (r := close_report(lp, rlp, atol, rtol)):
+        fails.append(f"logprobs: {r}")
+    if bool((lp > 0).any()):
+        fails.append("a positive logprob")
+    if ret_ent:
+        if (r := close_report(ent, rent, atol, rtol)):
+            fails.append(f"entropy: {r}")
+    g = torch.Generator().manual_seed(m["seed"] + 2)
+    g1, g2 = torch.randn(rlp.shape, generator=g), torch.randn(rlp.shape, generator=g)
+    outs, refs, ups = [lp], [rlp], [g1]
+    if ret_ent:
+        outs, refs, ups = [lp, ent], [rlp, rent], [g1, g2]
+    if any(o.requires_grad for o in refs):
+        got = backward_grads(outs, (h1, w1, b1), ups)
+        want = backward_grads(refs, (h2, w2, b2), ups)
+        for name, x, y, src in zip("hwb", got, want, (h, w, b)):
+            if y is None:
+                continue
+            if x is None:
+                fails.append(f"d{name} missing")
+                continue
+            if x.dtype != src.dtype:
+                fails.append(f"d{name} dtype {x.dtype} != {src.dtype}")
+            lowp = cd if cd != torch.float32 else src.dtype
+            # entropy gradients carry a factor |z|: scale the tolerance with the logit range
+            tol = grad_tol(lowp, y) * (1 + (zmax if ret_ent else 0.0))
+            if (r := close_report(x.float(), y.float(), tol, 0.0)):
+                fails.append(f"d{name}: {r}")
+    assert not fails, f"{impl} logprobs {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
+        "; ".join(fails)
+
+
+@fuzz_settings(CI_TORCH_CE)
+@given(data=st.data())
+def test_fuzz_cross_entropy_torch(data):
+    check_cross_entropy(data, "torch", small=False)
+
+
+@fuzz_settings(CI_TORCH_LP)
+@given(data=st.data())
+def test_fuzz_logprobs_torch(data):
+    check_logprobs(data, "torch", small=False)
+
+
+@needs_triton
+@fuzz_settings(CI_TRITON_CE)
+@given(data=st.data())
+def test_fuzz_cross_entropy_triton_interpreter(data):
+    check_cross_entropy(data, "triton", small=True)
+
+
+@needs_triton
+@fuzz_settings(CI_TRITON_LP)
+@given(data=st.data())
+def test_fuzz_logprobs_triton_interpreter(data):
+    check_logprobs(data, "triton", small=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# sharded: seeded random cases on 3 gloo ranks
+# ----------------------------------------------------------------------------------------------
+
+WORLD = 3
+
+
+def random_layout(rng: random.Random, v: int, world: int) -> list[tuple[int, int]]:
+    """Random uneven tiling of [0, v) into ``world`` contiguous shards (empty shards allowed)."""
+    cuts = sorted(rng.randint(0, v) for _ in range(world - 1))
+    pts = [0] + cuts + [v]
+    return [(pts[i], pts[i + 1]) for i in range(world)]
+
+
+def sharded_case(seed: int, world: int, impl: str) -> dict:
+    """One random case; identical on every rank (derived from ``seed`` only)."""
+    rng = random.Random(seed)
+    small = impl == "triton"
+    v = rng.choice([1, 2, 3, 5, 13, 29, 40]) if small else rng.choice([1, 2, 3, rng.randint(1, 60)])
+    sp = rng.random() < 0.3
+    if sp:
+        n_per = rng.choice([0, 1, 2, 3])
+        shape = (n_per * world, rng.choice([1, 2]))
+    else:
+        n = rng.choice([0, 1, 2, rng.randint(0, 9 if small else 30)])
+        shape = (n,) if rng.random() < 0.6 or n % 2 else (2, n // 2)
+    c = dict(
+        seed=seed, impl=impl, v=v, layout=random_layout(rng, v, world), shape=shape,
+        d=rng.choice([1, 3, 16]) if small else rng.choice([1, 2, 5, 16, 23]),
+        dtype=rng.choice([torch.float32, torch.float32, torch.bfloat16]),
+        bias=rng.random() < 0.5, form=rng.choice(["ce", "ce", "lp"]), sp=sp,
+        reduce_hidden_grad=True if sp else rng.random() < 0.8,
+        stats_collective=rng.choice(["auto", "allreduce", "allgather"]),
+        ignore_index=rng.choice([-100, -1, 0]) if v > 1 else -100,
+        ignore_frac=rng.choice([0.0, 0.3, 1.0]), scale=rng.choice([0.1, 1.0, 3.0]),
+        reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.0, 0.2]),
+        z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, None, 2.0]), temperature=rng.choice([1.0, 0.7]),
+        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, 1 << 23]),
+        gif=rng.choice([None, False]), return_extra=rng.random() < 0.5,
+    )
+    return c
+
+
+def _allgather_scalar_bits(x: torch.Tensor, group) -> list:
+    import torch.distributed as dist
+
+    buf = x.detach().float().reshape(-1).contiguous()
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, buf, group=group)
+    return [o.view(torch.int32).tolist() for o in out]
+
+
+def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    y = x.detach().float().clone()
+    dist.all_reduce(y, group=group)
+    return y
+
+
+def run_sharded_case(rank, world, group, c) -> list[str]:
+    fails: list[str] = []
+    g = torch.Generator().manual_seed(c["seed"])
+    shape, d, v = c["shape"], c["d"], c["v"]
+    H = (torch.randn(*shape, d, generator=g) * c["scale"]).to(c["dtype"])
+    W = (torch.randn(v, d, generator=g) / math.sqrt(d) * 2).to(c["dtype"])
+    B = (torch.randn(v, generator=g) * 0.5).to(c["dtype"]) if c["bias"] else None
+    T = torch.randint(0, v, shape, generator=g)
+    T = torch.where(torch.rand(shape, generator=g) < c["ignore_frac"], torch.full_like(T, c["ignore_index"]), T)
+    g1, g2 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    gs = float(torch.rand(1, generator=g)) + 0.5
+    start, stop = c["layout"][rank]
+    sp = c["sp"]
+    n_loc = shape[0] // world if sp else None
+    h_loc = H[rank * n_loc:(rank + 1) * n_loc] if sp else H
+    h1 = h_loc.detach().clone().requires_grad_(True)
+    w1 = W[start:stop].detach().clone().requires_grad_(True)
+    b1 = None if B is None else B[start:stop].detach().clone().requires_grad_(True)
+    shard = VocabShard(group, start, stop, sequence_parallel=sp, reduce_hidden_grad=c["reduce_hidden_grad"],
+                       stats_collective=c["stats_collective"])
+    h2 = H.detach().clone().requires_grad_(True)
+    w2 = W.detach().clone().requires_grad_(True)
+    b2 = None if B is None else B.detach().clone().requires_grad_(True)
+    common = dict(ignore_index=c["ignore_index"], softcap=c["softcap"], shift=c["shift"], impl=c["impl"],
+                  chunk_size=c["chunk"])
+    cd = c["dtype"]
+    zmax = _logit_bound(H, W, B)
+    if c["softcap"] is not None:
+        zmax = min(zmax, c["softcap"])
+    n_tok = T.numel()
+    if c["form"] == "ce":
+        out = linear_cross_entropy(h1, w1, T, bias=b1, shard=shard, reduction=c["reduction"],
+                                   label_smoothing=c["label_smoothing"], z_loss=c["z_loss"],
+                                   return_lse=c["return_extra"], grad_in_forward=c["gif"], **common)
+        ref = oracle_cross_entropy(h2, w2, T, b2, ignore_index=c["ignore_index"], reduction=c["reduction"],
+                                   label_smoothing=c["label_smoothing"], z_loss=c["z_loss"], softcap=c["softcap"],
+                                   shift=c["shift"], dtype=cd, return_lse=True)
+        outs = list(out) if c["return_extra"] else [out]
+        refs = list(ref) if c["return_extra"] else [ref[0]]
+        ups = [g1 if c["reduction"] == "none" else torch.tensor(gs)] + ([g2] if c["return_extra"] else [])
+        tols = [fwd_tol(cd, zmax, z_loss=c["z_loss"], v=v, n_sum=max(n_tok, 1) if c["reduction"] == "sum" else 1),
+                fwd_tol(cd, zmax, v=v)]
+        zl = c["z_loss"]
+    else:
+        out = linear_logprobs(h1, w1, T, bias=b1, shard=shard, temperature=c["temperature"],
+                              return_entropy=c["return_extra"], **common)
+        ref = oracle_logprobs(h2, w2, T, b2, ignore_index=c["ignore_index"], softcap=c["softcap"],
+                              temperature=c["temperature"], shift=c["shift"], dtype=cd, return_entropy=True)
+        outs = list(out) if c["return_extra"] else [out]
+        refs = list(ref) if c["return_extra"] else [ref[0]]
+        ups = [g1, g2][:len(outs)]
+        zmax /= c["temperature"]
+        tols = [fwd_tol(cd, zmax, v=v)] * 2
+        zl = 0.0
+    for k, (o, r_, tl) in enumerate(zip(outs, refs, tols)):
+        if (r := close_report(o, r_, *tl)):
+            fails.append(f"output {k}: {r}")
+    # every rank must hold bitwise the same values (a TP group must not drift apart)
+    for k, o in enumerate(outs):
+        bits = _allgather_scalar_bits(o, group)
+        if any(b_ != bits[0] for b_ in bits):
+            fails.append(f"output {k} differs bitwise between ranks")
+    got = backward_grads(outs, (h1, w1, b1), ups)
+    want = backward_grads(refs, (h2, w2, b2), ups)
+    factor = (1 + 2 * zl * (zmax + math.log(v) + 1)) * (1 + (zmax if c["form"] == "lp" else 0.0))
+    # dH: full (all-reduced), this rank's sequence slice, or a partial whose group sum is the oracle's
+    dh_ref = want[0]
+    if sp:
+        dh_ref = dh_ref[rank * n_loc:(rank + 1) * n_loc]
+    dh = got[0]
+    if dh is None or dh.dtype != cd:
+        fails.append(f"dH missing or of dtype {None if dh is None else dh.dtype}")
+    else:
+        dh_full = dh.float() if c["reduce_hidden_grad"] else _sum_over(dh, group)
+        if (r := close_report(dh_full, dh_ref.float(), grad_tol(cd, dh_ref) * factor * world, 0.0)):
+            fails.append(f"dH: {r}")
+    for name, x, y, sl in (("dW", got[1], want[1], slice(start, stop)), ("db", got[2], want[2], slice(start, stop))):
+        if y is None:
+            continue
+        if x is None or x.dtype != cd:
+            fails.append(f"{name} missing or wrong dtype")
+            continue
+        if (r := close_report(x.float(), y[sl].float(), grad_tol(cd, y) * factor, 0.0)):
+            fails.append(f"{name}: {r}")
+    return fails
+
+
+def _sharded_body(rank, world, group, n_torch, n_triton, seed):
+    results = {"cases": 0, "fails": []}
+    cases = [sharded_case(seed + i, world, "torch") for i in range(n_torch)]
+    if n_triton:
+        cases += [sharded_case(seed + 10_000 + i, world, "triton") for i in range(n_triton)]
+    for c in cases:
+        try:
+            fails = run_sharded_case(rank, world, group, c)
+        except Exception as e:  # noqa: BLE001 - one failing case must not desync the group
+            fails = [f"raised {type(e).__name__}: {e}"]
+            # a case that raised on some ranks only may have left the others mid-collective:
+            # stop here rather than hang (the parent reports it)
+            results["fails"].append(f"case {c}: {fails}")
+            results["cases"] += 1
+            return results
+        results["cases"] += 1
+        if fails:
+            results["fails"].append(f"rank {rank} case {c}: " + "; ".join(fails))
+    return results
+
+
+def test_fuzz_sharded_gloo(tmp_path):
+    n_torch = max(CI_SHARDED_TORCH, LONG // 4) if LONG else CI_SHARDED_TORCH
+    n_triton = (max(CI_SHARDED_TRITON, LONG // 50) if LONG else CI_SHARDED_TRITON) if TRITON else 0
+    res = run_ranks(_sharded_body, WORLD, tmp_path, timeout=200 + 2 * LONG, pg_timeout=60,
+                    kw=dict(n_torch=n_torch, n_triton=n_triton, seed=7000))
+    fails = [f for r in res.values() for f in r["fails"]]
+    assert not fails, "\n".join(fails[:20])
+    assert all(r["cases"] == n_torch + n_triton for r in res.values()), res
