@@ -1,0 +1,134 @@
+"""torch.compile(fullgraph=True) of a model that calls the loss: same numbers as eager; opcheck."""
+
+import pytest
+import torch
+from torch import nn
+
+import cce_dist
+import cce_dist.compile  # noqa: F401  (registers the cce_dist:: ops)
+
+V, D = 53, 16
+
+
+class TinyLM(nn.Module):
+    """Embedding -> tanh -> linear head, scored with every output form of the library."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids, targets):
+        h = torch.tanh(self.emb(ids))
+        ce = cce_dist.linear_cross_entropy(h, self.head.weight, targets, bias=self.head.bias, shift=1,
+                                           label_smoothing=0.1, z_loss=1e-3, softcap=3.0, impl="torch")
+        rows, lse = cce_dist.linear_cross_entropy(h, self.head.weight, targets, reduction="none",
+                                                  return_lse=True, impl="torch")
+        lp, ent = cce_dist.linear_logprobs(h, self.head.weight, targets, temperature=0.7, return_entropy=True,
+                                           impl="torch")
+        return ce + 0.5 * rows.mean() + 0.01 * lse.square().mean() - 0.3 * lp.sum() - 0.1 * ent.mean()
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (3, 7), generator=g)
+    targets = torch.randint(0, V, (3, 7), generator=g)
+    targets[0, :2] = -100
+    return ids, targets
+
+
+def _run(fn, model, ids, targets):
+    model.zero_grad(set_to_none=True)
+    loss = fn(ids, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_backend(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, targets = _data()
+    ref, ref_g = _run(model, model, ids, targets)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    got, got_g = _run(compiled, model, ids, targets)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert set(got_g) == set(ref_g) == {"emb.weight", "head.weight", "head.bias"}
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_matches_eager(backend):
+    _check_backend(backend)
+
+
+@pytest.mark.slow
+def test_fullgraph_inductor_matches_eager():
+    """Inductor on CPU compiles C++ (minutes on a small machine): excluded from the default run."""
+    _check_backend("inductor")
+
+
+def test_custom_ops_in_graph_and_shard_refused():
+    """The traced graph holds the cce_dist ops (no graph break); shard= under compile says what to do."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    h, w, t = torch.randn(4, 8), torch.randn(11, 8), torch.tensor([1, 2, -100, 10])
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def f(h, w, t):
+        return cce_dist.linear_cross_entropy(h, w, t, impl="torch")
+
+    torch.testing.assert_close(f(h, w, t), cce_dist.linear_cross_entropy(h, w, t, impl="torch"))
+    assert counter.frame_count == 1
+    targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("cce_dist.ce_rows" in s for s in targets), targets
+
+    shard = cce_dist.VocabShard(None, 0, 11)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def g(h, w, t):
+        return cce_dist.linear_cross_entropy(h, w, t, shard=shard)
+
+    with pytest.raises(Exception, match="one device only"):
+        g(h, w, t)
+
+
+def _op_args():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 8, generator=g, requires_grad=True)
+    w = torch.randn(11, 8, generator=g, requires_grad=True)
+    b = torch.randn(11, generator=g, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 10, 0])
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_opcheck(with_bias):
+    h, w, b, t = _op_args()
+    b = b if with_bias else None
+    chunk = 16  # several vocab chunks
+    ops = torch.ops.cce_dist
+    torch.library.opcheck(ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk,
+                                                None, False))
+    torch.library.opcheck(ops.logprob_rows.default, (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk,
+                                                     None, False))
+    hd, wd = h.detach(), w.detach()
+    bd = None if b is None else b.detach()
+    _, lse = ops.ce_rows(hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
+    g = torch.rand(5)
+    torch.library.opcheck(ops.ce_rows_backward.default, (hd, wd, bd, t, lse, g, g, torch.float32, -100, 0.1, 1e-3,
+                                                         2.0, "torch", chunk, None, False, True, True, with_bias))
+    _, _, stats = ops.logprob_rows(hd, wd, bd, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, None, False)
+    torch.library.opcheck(ops.logprob_rows_backward.default, (hd, wd, bd, t, stats, g, g, torch.float32, -100, 2.0,
+                                                              0.5, True, "torch", chunk, None, False, True, False,
+                                                              with_bias))
+
+
+def test_op_rejects_out_of_range_targets():
+    h, w, b, t = _op_args()
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
+        torch.ops.cce_dist.ce_rows(h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None,
+                                   "torch", 16, None, False)
