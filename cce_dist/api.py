@@ -151,7 +151,7 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
             local_vocab = shard.stop
         _check_target_range(targets, opts.ignore_index, local_vocab)
         backend = _resolve_backend(opts.impl, hidden.device)
-        t = _shift_targets(targets, opts.shift, opts.ignore_index)
+        t = _shift_targets(targets.long(), opts.shift, opts.ignore_index)  # any integer dtype -> int64 ids
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
 
@@ -204,7 +204,7 @@ def _cheap_layout(shard: VocabShard, n_tokens: int, device) -> Layout:
 
 
 def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def _integrations(hidden, weight, targets, bias, opts):

@@ -120,7 +120,7 @@ class _GradAccumulator:
         self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
 
-    def add(self, dz: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, sl: slice) -> None:
+    def add(self, dz: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Tensor, sl: slice) -> None:
         """Accumulate the contributions of ``dz float32 [V_local, n]`` for token chunk ``sl``."""
         if self.db is not None:
             self.db.add_(dz.sum(1))
@@ -133,9 +133,9 @@ class _GradAccumulator:
                 torch.mm(dzc.t(), weight, out=self.dh[sl])
         if self.dw is not None:
             if low:
-                self.dw.add_(torch.mm(dzc, hidden[sl]))
+                self.dw.add_(torch.mm(dzc, hidden_chunk))
             else:
-                self.dw.addmm_(dzc, hidden[sl])
+                self.dw.addmm_(dzc, hidden_chunk)
 
     def result(self):
         return self.dh, self.dw, self.db
@@ -150,8 +150,14 @@ def _finish_dz(
     vocab_start: int,
     temperature: float,
 ) -> torch.Tensor:
-    """Turn ``dz = p`` (in place) into the gradient w.r.t. the raw logits of the chunk."""
+    """Turn ``dz = p`` (in place) into the gradient w.r.t. the raw logits of the chunk.
+
+    Rows whose coefficients are all zero (ignored targets, zero upstream gradient) get an exactly
+    zero gradient even when their logits are not finite (p * 0 would be NaN there); the caller
+    must also keep their hidden rows out of dW (:func:`_inactive_rows_zeroed`).
+    """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
+    inactive = torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
     if z is not None:  # entropy term: p * (alpha + delta * z)
         dz.mul_(torch.addcmul(alpha, delta, z))
     else:
@@ -164,7 +170,16 @@ def _finish_dz(
         dz.mul_(1.0 - th * th)
     if temperature != 1.0:
         dz.div_(temperature)
+    if inactive.numel():
+        dz.index_fill_(1, inactive, 0.0)
     return dz
+
+
+def _inactive_rows_zeroed(hidden_chunk: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The chunk's hidden rows, with rows of all-zero coefficients zeroed (a copy, only if any):
+    a non-finite hidden row of an ignored token must not reach dW through 0 * inf."""
+    inactive = torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
+    return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
 
 
 def grads(
@@ -202,7 +217,7 @@ def grads(
         z, th = logits_t(hidden[sl], weight, bias, softcap, temperature)
         p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
         dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
-        acc.add(dz, hidden, weight, sl)
+        acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
     return acc.result()
 
 
@@ -247,5 +262,5 @@ def fused_cross_entropy(
         z.mul_(torch.exp(local[:, S.MAX] - lse[sl]))
         c = coef_fn(lse[sl], valid[sl]) * row_grad
         dz = _finish_dz(z, None, th, c, targets[sl], vocab_start, 1.0)
-        acc.add(dz, hidden, weight, sl)
+        acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
     return (loss, lse) + acc.result()
