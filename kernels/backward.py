@@ -159,7 +159,7 @@ def _grads_fused_kernel(
         USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     if keep:
         if NEED_DB:
-            tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok)
+            tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
         dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
         offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
         if NEED_DH:
@@ -170,7 +170,7 @@ def _grads_fused_kernel(
                 part = mma(dzc, w, tl.zeros((BLOCK_N, BLOCK_D_OUT), dtype=tl.float32),
                            DOT_PRECISION, INTERP_BF16)
                 tl.atomic_add(DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :], part,
-                              mask=row_ok[:, None] & d_ok[None, :])
+                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
         if NEED_DW:
             dzt = tl.trans(dzc)
             for d0 in range(0, D, BLOCK_D_OUT):
@@ -180,7 +180,7 @@ def _grads_fused_kernel(
                 part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32),
                            DOT_PRECISION, INTERP_BF16)
                 tl.atomic_add(DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :], part,
-                              mask=col_ok[:, None] & d_ok[None, :])
+                              mask=col_ok[:, None] & d_ok[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -379,8 +379,12 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
         )
     else:
         if dh is not None:
-            _grads_dh_kernel[(triton.cdiv(n, bn),)](
-                *common, dh, *scalars, dh.stride(0), **flags, **launch,
+            dh_flags = flags
+            if not interpret and _blocks is None and triton.cdiv(n, bn) < _config.num_sms(device):
+                # One program per token tile: halve the tile when that leaves SMs idle.
+                dh_flags = dict(flags, BLOCK_N=max(16, bn // 2))
+            _grads_dh_kernel[(triton.cdiv(n, dh_flags["BLOCK_N"]),)](
+                *common, dh, *scalars, dh.stride(0), **dh_flags, **launch,
             )
         if dw is not None or db is not None:
             _grads_dw_kernel[(triton.cdiv(v, bv),)](
