@@ -85,6 +85,12 @@ def test_custom_ops_in_graph_and_shard_refused():
     assert counter.frame_count == 1
     targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
     assert any("cce_dist.ce_rows" in s for s in targets), targets
+    # a new token count recompiles once with dynamic shapes (the fake impls are shape-generic)
+    h2, t2 = torch.randn(9, 8), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -100])
+    torch.testing.assert_close(f(h2, w, t2), cce_dist.linear_cross_entropy(h2, w, t2, impl="torch"))
+    h3, t3 = torch.randn(13, 8), torch.arange(13) % 11
+    torch.testing.assert_close(f(h3, w, t3), cce_dist.linear_cross_entropy(h3, w, t3, impl="torch"))
+    assert counter.frame_count == 2
 
     shard = cce_dist.VocabShard(None, 0, 11)
 

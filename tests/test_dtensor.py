@@ -124,7 +124,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
 
 @pytest.mark.parametrize("vocab", [11])  # uneven: torch.chunk gives rows [0, 6) and [6, 11)
 def test_dtensor_head_world2(tmp_path, vocab):
-    res = run_ranks(body_dtensor, world=2, tmp_path=tmp_path, kw=dict(vocab=vocab, d=8, n=7))
+    res = run_ranks(body_dtensor, world=2, tmp_path=tmp_path, kw=dict(vocab=vocab, d=8, n=7), timeout=400)
     assert res == {0: 6, 1: 5}
 
 
