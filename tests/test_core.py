@@ -18,7 +18,6 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -831,8 +830,7 @@ def test_non_tensor_argument_is_a_type_error(arg, fn):
         f(kw["hidden"], kw["weight"], t, bias=kw["bias"])
 
 
-@pytest.mark.parametrize("tdtype", [
-torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8], ids=str)
+@pytest.mark.parametrize("tdtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8], ids=str)
 @pytest.mark.parametrize("form", ["ce", "lp"])
 def test_integer_target_dtypes(tdtype, form):
     """Any integer dtype holding valid ids works like int64, or is refused with a TypeError naming targets."""
