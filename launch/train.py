@@ -41,12 +41,18 @@ import data  # noqa: E402
 from memory import TensorMemory  # noqa: E402
 from model import ModelConfig, VocabParallelLM  # noqa: E402
 
-# Loss-curve agreement tolerances (max |loss_cce - loss_materialized| over all steps). Both paths
-# accumulate in fp32 but in different orders, and AdamW amplifies last-bit gradient differences
-# in near-zero gradient entries, so the curves drift apart slowly; the first step (identical
-# weights) is checked much more tightly.
-TOL_CURVE = {"fp32": 1e-3, "bf16": 5e-2}
+# Agreement tolerances. The two variants are independent trainings from the same weights on the
+# same batches; they differ only in floating-point summation order (chunked vs one block, the
+# order of the fp32 statistics across ranks), and those last-bit differences in the gradients
+# grow slowly through the optimizer. First step (identical weights): relative difference of the
+# loss and of the hidden/head gradients. Curve: max |loss_cce - loss_materialized| over all steps
+# in nats. Measured with the defaults (200 steps, fp32): <= 6e-5 on all but one step, 5.6e-4 at the
+# worst (a batch with an outlier token whose loss is very sensitive to the weights); on that
+# weight state both losses agree with a float64 reference to 1e-6. A wrong gradient (e.g. a dH
+# not reduced over the group) shows up at step 0 and moves the curves by >1e-2 within a few steps.
 TOL_FIRST = {"fp32": 1e-5, "bf16": 1e-2}
+TOL_GRAD = {"fp32": 1e-4, "bf16": 5e-2}
+TOL_CURVE = {"fp32": 5e-3, "bf16": 5e-2}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -422,13 +428,15 @@ def report(args, names, hist, all_peaks, grad_check, in_sync, meta, cfg, world, 
         tol, tol0 = TOL_CURVE[args.dtype], TOL_FIRST[args.dtype]
         first_ok = diffs[0] <= tol0 * max(1.0, abs(b[0]))
         curve_ok = max(diffs) <= tol
+        grad_ok = all(g <= TOL_GRAD[args.dtype] for g in grad_check.values())
         finite = summary["cce"]["finite"] and summary["materialized"]["finite"]
-        agree = first_ok and curve_ok and finite and in_sync
+        agree = first_ok and curve_ok and grad_ok and finite and in_sync
         mc = max(summary["cce"]["peak_loss_mem_mib_per_rank"])
         mm = max(summary["materialized"]["peak_loss_mem_mib_per_rank"])
         summary["agreement"] = {
             "max_abs_diff": max(diffs), "first_step_abs_diff": diffs[0],
-            "last_step_abs_diff": diffs[-1], "tol_curve": tol, "tol_first_step": tol0,
+            "median_abs_diff": _median(diffs), "last_step_abs_diff": diffs[-1],
+            "tol_curve": tol, "tol_first_step_rel": tol0, "tol_grad_rel": TOL_GRAD[args.dtype],
             **grad_check, "agree": agree,
         }
         summary["memory"] = {"cce_peak_mib": mc, "materialized_peak_mib": mm,

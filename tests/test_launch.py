@@ -31,7 +31,7 @@ from memory import TensorMemory  # noqa: E402
 from model import ModelConfig, VocabParallelLM  # noqa: E402
 
 TINY = ["--vocab-size", "1024", "--max-files", "60", "--d-model", "64", "--layers", "1",
-        "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--chunk-size", "4096",
+        "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--chunk-size", "16384",
         "--lr", "1e-2", "--warmup", "2", "--log-every", "1"]
 
 
@@ -46,9 +46,14 @@ def _torchrun(tmp_path: Path, nproc: int, *args: str, timeout: float = 300):
     return json.loads((tmp_path / "out" / "summary.json").read_text()), p.stdout
 
 
-def test_train_tp2_curves_agree(tmp_path):
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
     pytest.importorskip("cce_dist")
-    s, stdout = _torchrun(tmp_path, 2, "--steps", "6", "--tp", "2", *TINY)
+    return _torchrun(tmp_path_factory.mktemp("tp2"), 2, "--steps", "6", "--tp", "2", *TINY)
+
+
+def test_train_tp2_curves_agree(tp2_run):
+    s, stdout = tp2_run
     assert (s["world"], s["tp"], s["dp"]) == (2, 2, 1)
     cce, mat = s["cce"]["loss"], s["materialized"]["loss"]
     assert len(cce) == len(mat) == 6
@@ -70,19 +75,32 @@ def test_train_tp2_curves_agree(tmp_path):
     assert all(c < m for c, m in zip(pc, pm))
     assert min(pm) >= s["materialized_logits_mib_per_rank"]
     assert stdout.strip().splitlines()[-1].startswith("VERDICT: curves agree")
-    png = (tmp_path / "out" / "curves.png").read_bytes()
+
+
+def test_train_writes_plot(tp2_run, tmp_path):
+    s, _ = tp2_run
+    png = (Path(s["config"]["out_dir"]) / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_train_tp_dp_materialized_matches_tp1(tmp_path):
-    """tp=2 x dp=1 and tp=1 x dp=1 train the same function: the seeded head is sliced, not drawn
-    per rank, and the vocab-parallel loss is exact, so the curves coincide."""
-    s2, _ = _torchrun(tmp_path / "a", 2, "--steps", "4", "--tp", "2", "--loss", "materialized",
-                      *TINY)
-    s1, _ = _torchrun(tmp_path / "b", 1, "--steps", "4", "--tp", "1", "--loss", "materialized",
-                      *TINY)
-    a, b = s2["materialized"]["loss"], s1["materialized"]["loss"]
+def test_train_tp1_matches_tp2(tp2_run, tmp_path):
+    """tp=1 and tp=2 train the same function: the seeded head is sliced, not drawn per rank, and
+    the vocab-parallel loss is exact, so the materialized curves coincide."""
+    s1, _ = _torchrun(tmp_path, 1, "--steps", "6", "--tp", "1", "--loss", "materialized", *TINY)
+    a, b = tp2_run[0]["materialized"]["loss"], s1["materialized"]["loss"]
+    assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+
+
+def test_train_tp2_dp2(tmp_path):
+    """4 ranks: 2 TP groups of 2, data parallel across them."""
+    pytest.importorskip("cce_dist")
+    s, _ = _torchrun(tmp_path, 4, "--steps", "3", "--tp", "2", *TINY)
+    assert (s["world"], s["tp"], s["dp"]) == (4, 2, 2)
+    assert s["agreement"]["agree"] is True
+    assert s["agreement"]["max_abs_diff"] <= 1e-4
+    assert s["trunk_replicas_in_sync"] is True
+    assert len(s["cce"]["peak_loss_mem_mib_per_rank"]) == 4
 
 
 # ---------------------------------------------------------------------------- pieces, in-process
