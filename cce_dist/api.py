@@ -155,6 +155,7 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
 
+    compute_dtype = _compute_dtype(hidden, weight) if error is None else None
     comm_needed = shard is not None and shard.world_size > 1
     if not comm_needed:
         if error is not None:
@@ -167,19 +168,20 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
         sp = shard.sequence_parallel
         n_local = hidden.shape[0] if (error is None and sp) else 0
         n_tokens = t.numel() if error is None else 0
+        # Everything that decides which collectives run, and with what sizes, must agree.
         fp = fingerprint(form, extra_fp, opts.ignore_index, opts.softcap, opts.shift, opts.chunk_size,
-                         sp, shard.reduce_hidden_grad, shard.stats_collective)
+                         sp, shard.reduce_hidden_grad, shard.stats_collective, str(compute_dtype),
+                         _grad_needs(hidden, weight, bias))
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
         if not shard.check and error is not None:
             raise error  # documented: without the handshake a rank-local error can strand the others
         if shard.check:
             layout = handshake(shard, error, n_tokens=n_tokens, n_local_tokens=n_local,
                                hidden_dim=hidden.shape[-1] if error is None else 0, options_fp=fp,
-                               targets=t, device=device)
+                               targets=t, ignore_index=opts.ignore_index, device=device)
         else:
             layout = _cheap_layout(shard, n_tokens, device)
 
-    compute_dtype = _compute_dtype(hidden, weight)
     if backend is torch_impl:
         kw = {"row_stats": {"chunk_size": opts.chunk_size}, "grads": {"chunk_size": opts.chunk_size}}
     else:
@@ -203,8 +205,14 @@ def _cheap_layout(shard: VocabShard, n_tokens: int, device) -> Layout:
     return Layout(vocab_size=v, n_tokens=n_tokens, max_local=max_local)
 
 
+def _grad_needs(*tensors) -> tuple[bool, ...]:
+    """Which inputs will receive a gradient (decides whether backward reduces dH)."""
+    on = torch.is_grad_enabled()
+    return tuple(on and bool(getattr(t, "requires_grad", False)) for t in tensors)
+
+
 def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    return any(_grad_needs(*tensors))
 
 
 def _integrations(hidden, weight, targets, bias, opts):

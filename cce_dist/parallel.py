@@ -151,6 +151,7 @@ def handshake(
     hidden_dim: int,
     options_fp: int,
     targets: Optional[torch.Tensor],
+    ignore_index: int,
     device: torch.device,
 ) -> Layout:
     """All-gather every rank's verdict and layout; raise the same error class on every rank.
@@ -164,11 +165,12 @@ def handshake(
     if error is None:
         info[_N], info[_START], info[_STOP] = n_tokens, shard.start, shard.stop
         info[_FP], info[_D], info[_NLOC] = options_fp, hidden_dim, n_local_tokens
+        info[_TMAX] = -1
         if targets is not None and targets.numel():
             info[_CK] = targets_checksum(targets)
-            info[_TMAX] = int(targets.max().item())
-        else:
-            info[_TMAX] = -1
+            valid = targets[targets != ignore_index]
+            if valid.numel():
+                info[_TMAX] = int(valid.max().item())
     if world == 1:
         rows = info.unsqueeze(0)
     else:
@@ -192,8 +194,9 @@ def handshake(
 
     disagree(_N, "the number of tokens (hidden/targets)")
     disagree(_D, "the hidden size (hidden.shape[-1] / weight.shape[1])")
-    disagree(_FP, "the loss options (reduction, label_smoothing, z_loss, softcap, temperature, ignore_index, "
-                  "shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, form, grad need)")
+    disagree(_FP, "the loss options or inputs' kind (reduction, label_smoothing, z_loss, softcap, temperature, "
+                  "ignore_index, shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, "
+                  "compute dtype, which of hidden/weight/bias require grad)")
     disagree(_CK, "the target ids (targets must be identical global ids on every rank)")
     if shard.sequence_parallel:
         disagree(_NLOC, "the number of local tokens under sequence parallelism")
@@ -246,7 +249,7 @@ class Comm:
             out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
             dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
             return S.combine_stack(out)
-        m = local[:, S.MAX].contiguous()
+        m = local[:, S.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
         r = S.rescale(local, m)
         rest = r[:, 1:].contiguous()
