@@ -71,10 +71,11 @@ def _dz_tile(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Gradient w.r.t. the raw logits of one tile, fp32 [BLOCK_N, BLOCK_V] (0 outside the valid
-    rows / columns), and whether the tile must be kept (always True without FILTER)."""
+    rows / columns, and exactly 0 in rows whose coefficients are all zero even when their logits
+    are not finite), whether the tile must be kept (always True without FILTER), and the rows
+    that are active (valid with a nonzero coefficient)."""
     row_ok = offs_n < N
     col_ok = offs_v < V
-    ok = row_ok[:, None] & col_ok[None, :]
     raw = logit_tile(H, W, Bias, offs_n, offs_v, N, V, D,
                      stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
                      HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
@@ -87,6 +88,10 @@ def _dz_tile(
     gamma = tl.load(crow + 2 * stride_ck, mask=row_ok, other=0.0)
     delta = tl.load(crow + 3 * stride_ck, mask=row_ok, other=0.0)
     tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+    # Inactive rows (ignored tokens, zero upstream gradient) must give exactly 0, not p * 0 = NaN
+    # when their hidden state is not finite: select them out rather than multiply.
+    active = row_ok & ((alpha != 0.0) | (beta != 0.0) | (gamma != 0.0) | (delta != 0.0))
+    ok = active[:, None] & col_ok[None, :]
     hit = (offs_v[None, :] == tgt[:, None]) & ok
 
     p = tl.exp(z - lse[:, None])
@@ -98,6 +103,7 @@ def _dz_tile(
         dz = dz / temperature
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
+    dz = tl.where(ok, dz, 0.0)
 
     if FILTER:
         # Relative to each row's coefficient scale, so the threshold does not depend on the
@@ -110,7 +116,7 @@ def _dz_tile(
             keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
     else:
         keep = True
-    return dz, keep
+    return dz, keep, active
 
 
 @triton.jit
@@ -151,7 +157,7 @@ def _grads_fused_kernel(
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = offs_n < N
     col_ok = offs_v < V
-    dz, keep = _dz_tile(
+    dz, keep, active = _dz_tile(
         H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
         vocab_start, softcap, temperature, filter_eps,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
@@ -176,7 +182,7 @@ def _grads_fused_kernel(
             for d0 in range(0, D, BLOCK_D_OUT):
                 d_ok = offs_do < D - d0
                 h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
-                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                            mask=active[:, None] & d_ok[None, :], other=0.0)
                 part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32),
                            DOT_PRECISION, INTERP_BF16)
                 tl.atomic_add(DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :], part,
@@ -207,7 +213,7 @@ def _grads_dh_kernel(
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
-        dz, keep = _dz_tile(
+        dz, keep, active = _dz_tile(
             H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
             vocab_start, softcap, temperature, filter_eps,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
@@ -253,7 +259,7 @@ def _grads_dw_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         row_ok = offs_n < N
-        dz, keep = _dz_tile(
+        dz, keep, active = _dz_tile(
             H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
             vocab_start, softcap, temperature, filter_eps,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
@@ -267,7 +273,7 @@ def _grads_dw_kernel(
                 for d0 in range(0, D, BLOCK_D_OUT):
                     d_ok = offs_do < D - d0
                     h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
-                                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                                mask=active[:, None] & d_ok[None, :], other=0.0)
                     ptrs = DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :]
                     msk = col_ok[:, None] & d_ok[None, :]
                     acc = tl.load(ptrs, mask=msk, other=0.0)
@@ -294,7 +300,10 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
         rows = max(1, _GAMMA_CHUNK_BYTES // (4 * max(d, 1)))
         u = torch.zeros(d, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, rows):
-            u.add_(gamma[i:i + rows] @ hidden[i:i + rows].float())
+            g = gamma[i:i + rows]
+            # Rows with gamma == 0 stay out even when their hidden state is not finite.
+            hc = torch.where((g != 0)[:, None], hidden[i:i + rows].float(), 0.0)
+            u.add_(g @ hc)
         dw.add_(u)
     if db is not None:
         db.add_(gamma.sum())
