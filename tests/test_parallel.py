@@ -191,7 +191,7 @@ CE_BASE = dict(reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, 
                ignore_index=-100, return_lse=False, gif=None, chunk=None, coll="allreduce", sp=False,
                rhg=True, needs="all", module=False, gscale=1.0, check=True, hdtype="float32")
 CE_VALUES = dict(reduction=["mean", "sum", "none"], label_smoothing=[0.0, 0.1], z_loss=[0.0, 1e-2],
-                 softcap=[None, 2.5], bias=[False, True], shift=[0, 1], ignore_index=[-100, 0],
+                 softcap=[None, 2.5], bias=[False, True], shift=[0, 1], ignore_index=[-100, 0, V],
                  return_lse=[False, True], gif=[None, False, True], chunk=[None, SMALL_CHUNK],
                  coll=["allreduce", "allgather", "auto"], sp=[False, True], rhg=[True, False],
                  needs=["all", "w_only", "h_only", "nograd"], module=[False, True], gscale=[1.0, 0.37],
@@ -354,7 +354,7 @@ def _check_counts(fails, name, fwd, bwd, world, c, *, fused, hidden_grad, max_lo
 LP_BASE = dict(softcap=None, temperature=1.0, bias=False, shift=0, ignore_index=-100, entropy=False,
                gmode="lp", chunk=None, coll="allreduce", sp=False, rhg=True, needs="all", check=True)
 LP_VALUES = dict(softcap=[None, 2.5], temperature=[1.0, 0.7], bias=[False, True], shift=[0, 1],
-                 ignore_index=[-100, 0], entropy=[False, True], gmode=["lp", "ent", "both", "nograd"],
+                 ignore_index=[-100, 0, V], entropy=[False, True], gmode=["lp", "ent", "both", "nograd"],
                  chunk=[None, SMALL_CHUNK], coll=["allreduce", "allgather", "auto"], sp=[False, True], rhg=[True, False],
                  needs=["all", "w_only", "h_only"], check=[True, False])
 
@@ -469,7 +469,46 @@ def _matrix_body(rank, world, group, ce_random, lp_random, seed, one_at_a_time, 
             run_lp_case(rank, world, group, bounds, c, fails)
     if extras:
         _extras(rank, world, group, fails)
+    if world == 2:
+        _one_row_statistics(rank, world, group, fails)
     return fails.result()
+
+
+def _one_row_statistics(rank, world, group, fails):
+    """Statistics of a single row through the collectives: fused token chunks of one token
+    (chunk_size // max_local == 1) and a batch of one token, on both paths and both collectives.
+    (Regression: the MAX all-reduce once wrote into the local statistics through a view.)"""
+    for coll in ("allreduce", "allgather"):
+        run_ce_case(rank, world, group, [(0, 12), (12, 13)], dict(CE_BASE, chunk=16, coll=coll), fails)
+        start, stop = LAYOUTS[2][0][rank]
+        P = make_problem(shape=(1,))
+        t = P["t"].clamp(min=0)
+        for gif in (None, False):
+            name = f"one token, {coll}, grad_in_forward={gif}"
+            fails.cases += 1
+            h = P["H"].clone().requires_grad_(True)
+            w = P["W"][start:stop].clone().requires_grad_(True)
+            loss = linear_cross_entropy(h, w, t, shard=VocabShard(group, start, stop, stats_collective=coll),
+                                        grad_in_forward=gif, impl="torch")
+            loss.backward()
+            hr, Wr = P["H"].clone().requires_grad_(True), P["W"].clone().requires_grad_(True)
+            rl, _ = ref_ce(hr, Wr, None, t)
+            rl.backward()
+            fails.close(loss, rl, "loss", name)
+            fails.close(h.grad, hr.grad, "dH", name)
+            fails.close(w.grad, Wr.grad[start:stop], "dW slice", name)
+        name = f"one token logprobs, {coll}"
+        fails.cases += 1
+        h = P["H"].clone().requires_grad_(True)
+        lp, ent = linear_logprobs(h, P["W"][start:stop], t, shard=VocabShard(group, start, stop, stats_collective=coll),
+                                  return_entropy=True, impl="torch")
+        (lp + ent).sum().backward()
+        hr = P["H"].clone().requires_grad_(True)
+        rlp, rent = ref_logprobs(hr, P["W"], None, t)
+        (rlp + rent).sum().backward()
+        fails.close(lp, rlp, "logprobs", name)
+        fails.close(ent, rent, "entropy", name)
+        fails.close(h.grad, hr.grad, "dH", name)
 
 
 def _extras(rank, world, group, fails):
@@ -598,7 +637,8 @@ def _assert_clean(results, min_cases):
 
 def test_world2_uneven_every_option(tmp_path):
     """World 2, shards [0,5)+[5,13) and [0,12)+[12,13): every option alone, random combinations, the
-    all-ignored batch, VocabShard.even and its error, groups of size 1 and shard=None (no collective)."""
+    all-ignored batch, VocabShard.even and its error, groups of size 1 and shard=None (no collective),
+    single-row statistics (one-token batches and one-token fused chunks)."""
     res = run_ranks(_matrix_body, 2, tmp_path, timeout=300,
                     kw=dict(ce_random=60, lp_random=30, seed=2, one_at_a_time=True, extras=True))
     _assert_clean(res, 250)
@@ -672,8 +712,8 @@ def _fault_call(rank, world, group, case):
         shard_kw["stats_collective"] = "allgather"
     elif case == "chunk_size_differs" and bad:
         kw["chunk_size"] = 64
-    elif case == "grad_need_differs" and bad:
-        h = h.detach()  # weight still requires grad everywhere, hidden only on ranks 0 and 2
+    elif case == "hidden_grad_need_differs" and bad:
+        h = h.detach()  # weight still requires grad everywhere: only the dH all-reduce would differ
     elif case == "no_grad_one_rank" and bad:
         h, no_grad = h.detach(), True
     elif case == "form_differs" and bad:
@@ -725,6 +765,7 @@ FAULTS = {
     "stats_collective_differs": (OPTS, "*"),
     "chunk_size_differs": (OPTS, "*"),
     "no_grad_one_rank": (OPTS, "*"),
+    "hidden_grad_need_differs": (OPTS, "*"),
     "form_differs": (OPTS, "*"),
     "temperature_differs": (OPTS, "*"),
     "return_entropy_differs": (OPTS, "*"),
@@ -772,7 +813,7 @@ def _read_rank_json(tmp_path, stem, rank, errors):
 def test_world3_uneven_empty_shard_and_faults(tmp_path):
     """World 3: the option matrix with an empty shard ([6,6) on rank 1) and with uneven shards; then
     faults: every rank raises a clear error, none hangs, and the group stays usable afterwards."""
-    errors = run_ranks(_world3_body, 3, tmp_path, kw=dict(out_dir=str(tmp_path)), timeout=300, pg_timeout=30,
+    errors = run_ranks(_world3_body, 3, tmp_path, kw=dict(out_dir=str(tmp_path)), timeout=300, pg_timeout=60,
                        expect_errors=True)
     _assert_clean({r: _read_rank_json(tmp_path, "matrix", r, errors) for r in range(3)}, 150)
     records = {r: _read_rank_json(tmp_path, "faults", r, errors) for r in range(3)}
@@ -803,87 +844,6 @@ def test_world3_uneven_empty_shard_and_faults(tmp_path):
             if rec["healthy_err"] > 1e-5:
                 problems.append(f"{case}: rank {r}: the next correct call is off by {rec['healthy_err']}")
     assert not problems, "\n".join(problems)
-
-
-# ----------------------------------------------------------------------------------------------
-# known bugs (xfail until fixed in cce_dist/)
-# ----------------------------------------------------------------------------------------------
-
-
-def _ignore_index_above_vocab_body(rank, world, group):
-    fails = Failures()
-    bounds = LAYOUTS[2][0]
-    for ii in (V, 100):
-        run_ce_case(rank, world, group, bounds, dict(CE_BASE, ignore_index=ii, label_smoothing=0.1, shift=1), fails)
-        run_lp_case(rank, world, group, bounds, dict(LP_BASE, ignore_index=ii, entropy=True, gmode="both"), fails)
-    return fails.result()
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: the handshake's target max (parallel.handshake _TMAX) includes "
-                   "positions equal to ignore_index, so ignore_index >= V (e.g. a pad id = V) raises "
-                   "'targets contain id 13, outside the vocabulary' on every rank; one device accepts it")
-def test_ignore_index_at_or_above_vocab_under_tp(tmp_path):
-    res = run_ranks(_ignore_index_above_vocab_body, 2, tmp_path, timeout=240, pg_timeout=30)
-    _assert_clean(res, 4)
-
-
-def _one_row_stats_body(rank, world, group):
-    """Statistics of a single row go through the all-reduce: a batch of one token, or fused token
-    chunks of one token (chunk_size // max_local == 1)."""
-    fails = Failures()
-    for coll in ("allreduce", "allgather"):
-        run_ce_case(rank, world, group, [(0, 12), (12, 13)], dict(CE_BASE, chunk=16, coll=coll), fails)
-        for gif in (None, False):
-            P = make_problem(shape=(1,))
-            start, stop = LAYOUTS[2][0][rank]
-            h = P["H"].clone().requires_grad_(True)
-            w = P["W"][start:stop].clone().requires_grad_(True)
-            t = P["t"].clamp(min=0)
-            name = f"one token, {coll}, grad_in_forward={gif}"
-            fails.cases += 1
-            loss = linear_cross_entropy(h, w, t, shard=VocabShard(group, start, stop, stats_collective=coll),
-                                        grad_in_forward=gif, impl="torch")
-            loss.backward()
-            hr, Wr = P["H"].clone().requires_grad_(True), P["W"].clone().requires_grad_(True)
-            rl, _ = ref_ce(hr, Wr, None, t)
-            rl.backward()
-            fails.close(loss, rl, "loss", name)
-            fails.close(h.grad, hr.grad, "dH", name)
-            fails.close(w.grad, Wr.grad[start:stop], "dW slice", name)
-    return fails.result()
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: Comm.reduce_stats (allreduce) does "
-                   "m = local[:, MAX].contiguous(); for one row that is a view (a [1] tensor is contiguous "
-                   "whatever its stride), so the MAX all-reduce overwrites the local max in place and the "
-                   "rescale of SUMEXP uses the global max twice: wrong loss/grads for a one-token batch and "
-                   "for fused chunks of one token; fix: .clone()")
-def test_one_row_statistics_allreduce(tmp_path):
-    res = run_ranks(_one_row_stats_body, 2, tmp_path, timeout=240, pg_timeout=30)
-    _assert_clean(res, 6)
-
-
-def _hidden_grad_need_differs_body(rank, world, group):
-    """Weight requires grad on every rank; hidden only on rank 0: the dH all-reduce is one-sided."""
-    P = make_problem()
-    start, stop = LAYOUTS[2][0][rank]
-    h = P["H"].clone().requires_grad_(rank == 0)
-    w = P["W"][start:stop].clone().requires_grad_(True)
-    loss = linear_cross_entropy(h, w, P["t"], shard=VocabShard(group, start, stop), impl="torch")
-    loss.backward()
-    return "no error"
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: whether hidden needs a gradient is not in the handshake "
-                   "fingerprint (only 'any input needs grad'), so a rank whose hidden does not require grad "
-                   "skips the dH all-reduce that the others enter: they hang until the gloo timeout")
-def test_hidden_grad_need_differs_raises_everywhere(tmp_path):
-    errors = run_ranks(_hidden_grad_need_differs_body, 2, tmp_path, timeout=120, pg_timeout=10,
-                       expect_errors=True)
-    for r in range(2):
-        assert errors[r] is not None, f"rank {r} raised nothing (the other: {errors[1 - r]})"
-        first = errors[r].splitlines()[0]
-        assert first.startswith("InputError") and "disagree" in first, f"rank {r}: {errors[r]}"
 
 
 # ----------------------------------------------------------------------------------------------
