@@ -151,7 +151,7 @@ def compare(variants: dict[str, tuple[str, dict]], n, d, v, dtype: str, repeats:
 
 def block_table(block: dict) -> str:
     headers = ["variant", "options", "median s", "CPU s", "time / mat.", "growth MiB",
-               "growth - grads MiB", "growth / mat.", "(growth - grads) / mat.", "steady growth MiB"]
+               "growth - grads MiB", "growth / mat.", "(growth - grads) / mat.", "steady growth excl. grads MiB"]
     rows = []
     for name, r in block["rows"].items():
         m = r.get("memory")
@@ -364,8 +364,8 @@ def render_markdown(p: dict) -> str:
     s += ["Forward + backward (grads for hidden and weight), median of interleaved repeats after a "
           "warm-up; memory = peak RSS growth above the inputs in a fresh process per variant "
           "(VmHWM reset after the inputs, one warm-up + one measured step; a tiny call of the same variant "
-          "ran before the inputs so one-time lazy imports are excluded). 'steady growth' = peak of one "
-          "more step above the RSS after those (grads dropped, malloc_trim). 'grads' = bytes of "
+          "ran before the inputs so one-time lazy imports are excluded). 'steady growth excl. grads' = peak of one "
+          "more step above the RSS after those (malloc_trim; the previous step's grads are held until the step drops them, so this excludes the gradient bytes). 'grads' = bytes of "
           "hidden.grad + weight.grad, the unavoidable output.", ""]
     sh = p["main"]["shape"]
     s += [f"## Main: N={sh['N']} D={sh['D']} V={sh['V']} {sh['dtype']}", "", block_table(p["main"]), ""]

@@ -167,6 +167,19 @@ def verdict(p: dict) -> list[str]:
             largest_ok = max(largest_ok, int(tp))
     out.append(f"- largest measured group size where allgather wins on most N: {largest_ok} "
                f"(cce_dist.parallel.AUTO_ALLGATHER_MAX_RANKS is {p['auto_allgather_max_ranks']})")
+    # The crossover in terms of the bytes each rank receives from the all-gather (P * N * 20).
+    pts = sorted((c["allgather"]["out_bytes"], c["allgather"]["median_s"] / c["allreduce"]["median_s"], tp, n)
+                 for tp, r in p["by_tp"].items() for n, c in r["collective"].items())
+    win = [b for b, x, _, _ in pts if x < 1]
+    lose = [b for b, x, _, _ in pts if x >= 1]
+    out.append("- by bytes each rank receives from the all-gather (P x N x 20 B): allgather faster at "
+               + ", ".join(f"{b // 1024} KiB" for b in win) + "; not faster at "
+               + (", ".join(f"{b // 1024} KiB (tp={tp}, N={n})" for b, x, tp, n in pts if x >= 1) or "none"))
+    if win and lose:
+        out.append(f"- so the choice depends on N as well as P: a rule on the gathered bytes (allgather when "
+                   f"P*N*20 B <= ~{max(b for b in win if b < min(lose)) // 1024} KiB, measured on gloo/CPU) fits "
+                   "this data better than a rank-count threshold alone; N is agreed by every rank in the "
+                   "handshake, so such a rule stays rank-consistent")
     return out
 
 
@@ -196,13 +209,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tps", default=None, help="comma list of group sizes (default 2,4,8)")
+    ap.add_argument("--render-only", action="store_true", help="re-render .md/.png from the saved JSON")
     args = ap.parse_args()
+    if args.render_only:
+        payload = json.loads((C.RESULTS / "tp_collectives.json").read_text())
+        payload["verdict"] = verdict(payload)
+        C.write_results("tp_collectives", payload, render(payload))
+        plot(payload, C.RESULTS / "tp_collectives.png")
+        print(render(payload))
+        return
     started = time.perf_counter()
     log = C.logger("tp_collectives")
     tps = [int(x) for x in args.tps.split(",")] if args.tps else list(TPS)
     cfg = {"stats_n": list(STATS_N) if not args.quick else [4096], "warmup": 3, "iters": 10 if args.quick else 30,
            "fwd_shape": list(FWD_SHAPE) if not args.quick else [512, 64, 4096],
            "fwd_warmup": 1, "fwd_iters": 3 if args.quick else 7}
+    torch.set_num_threads(1)  # what every rank uses (recorded in env)
     env = C.env_info(mode="quick" if args.quick else "full", threads_per_rank=1, cfg=cfg)
     by_tp = {}
     for tp in tps:

@@ -217,7 +217,7 @@ def render(p: dict) -> str:
          "processes per variant (a tiny call first, so lazy imports are excluded). Collectives: per "
          "step per rank; bytes = this rank's input / output buffers.", ""]
     hdr = ["variant", "median s", "time / megatron", "growth MiB (max rank)", "growth - grads MiB",
-           "growth / megatron", "(growth - grads) / megatron", "steady growth MiB", "collectives / step",
+           "growth / megatron", "(growth - grads) / megatron", "steady growth excl. grads MiB", "collectives / step",
            "bytes in / step", "bytes out / step", "loss"]
     tab = []
     for name, r in rows.items():
