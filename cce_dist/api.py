@@ -8,6 +8,7 @@ Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first di
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional, Union
 
 import torch
@@ -225,11 +226,9 @@ def _integrations(hidden, weight, targets, bias, opts):
 
 
 def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    # Only look if DTensor was imported already (importing it costs seconds): a DTensor exists only then.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):

@@ -15,7 +15,8 @@ An implementation is a module with two functions, free of autograd and of torch.
         z   = c / temperature
 
 ``grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-        need_hidden, need_weight, need_bias, filter_eps=None) -> (d_hidden, d_weight, d_bias)``
+        need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False)
+        -> (d_hidden, d_weight, d_bias)``
     lse     ``float32 [N]`` the *global* log-sum-exp of each row (all shards)
     coef    ``float32 [N, NUM_COEFS]`` per-row coefficients (below); an all-zero row contributes 0
     returns float32 tensors ``[N, D]``, ``[V_local, D]``, ``[V_local]`` (None where not needed);
@@ -28,7 +29,11 @@ An implementation is a module with two functions, free of autograd and of torch.
     then chained through temperature and softcap: ``d raw = dz / temperature * (1 - (c/softcap)^2)``
     (the softcap factor only with a softcap), and ``d_hidden = d raw @ weight``,
     ``d_weight = d raw.T @ hidden``, ``d_bias = d raw.sum(0)``, all accumulated in float32.
-    ``filter_eps``: a kernel may skip work whose |dz| is below it (gradient filtering); None = exact.
+    ``filter_eps``: a kernel may skip a tile whose softmax terms are all small *relative to the
+    row's coefficients*, ``|p * (ALPHA + DELTA*z)| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)``
+    (for cross-entropy: ``p <= filter_eps``, the CCE paper's rule, whatever the upstream scale);
+    the BETA (target) and GAMMA (uniform smoothing) terms must stay exact. None = exact.
+    ``deterministic``: no float atomics, bitwise repeatable (the torch implementation always is).
 
 The coefficients for each output form (``g`` = upstream gradient of that output per row):
 

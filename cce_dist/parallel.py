@@ -11,7 +11,8 @@ Per call, on a group of ``P`` ranks:
    options, N or the targets raise on every rank too.
 2. statistics: ``"allreduce"`` = all-reduce MAX of the row max, then one all-reduce SUM of the
    rescaled statistics stacked in one buffer; or ``"allgather"`` = one all-gather of the raw
-   statistics, combined locally. ``"auto"`` picks by group size (see ``AUTO_ALLGATHER_MAX_RANKS``).
+   statistics, combined locally. ``"auto"`` picks per call from rows x ranks
+   (see ``AUTO_ALLGATHER_MAX_ROWS_X_RANKS``).
 3. backward: dW and db stay local; the partial dH is all-reduced (reduce-scattered under sequence
    parallelism) exactly once, or left to the caller's layer (``reduce_hidden_grad=False``).
 """
@@ -29,10 +30,13 @@ from . import stats as S
 
 StatsCollective = Literal["auto", "allreduce", "allgather"]
 
-#: ``stats_collective="auto"`` all-gathers the raw statistics up to this group size (one round
-#: trip, P * 5 floats per row received) and uses the two all-reduces above it (two round trips,
-#: 5 floats per row). Measured on gloo/CPU in benchmarks/tp_collectives.py.
-AUTO_ALLGATHER_MAX_RANKS = 8
+#: ``stats_collective="auto"`` all-gathers the raw statistics (one round trip, P * 5 floats per row
+#: received) while rows * P is at most this, and uses the two all-reduces (two round trips, 5
+#: floats per row) above it: the all-gather wins while latency dominates, the all-reduces once
+#: the P-fold bytes do. Measured on gloo/CPU at P = 2, 4, 8 in benchmarks/tp_collectives.py
+#: (all-gather faster up to N*P = 32768 in every group size, slower beyond at P >= 4). The
+#: decision depends only on N and P, so every rank makes the same one.
+AUTO_ALLGATHER_MAX_ROWS_X_RANKS = 32768
 
 
 class InputError(ValueError):
@@ -231,10 +235,7 @@ class Comm:
         self.shard = shard
         self.world = 1 if shard is None else shard.world_size
         self.active = self.world > 1
-        method = "allreduce" if shard is None else shard.stats_collective
-        if method == "auto":
-            method = "allgather" if self.world <= AUTO_ALLGATHER_MAX_RANKS else "allreduce"
-        self.method = method
+        self.method = "allreduce" if shard is None else shard.stats_collective
         self.layout = layout
 
     @property
@@ -245,7 +246,10 @@ class Comm:
         """Combine this rank's ``[n, NUM_STATS]`` statistics with the group's."""
         if not self.active:
             return local
-        if self.method == "allgather":
+        method = self.method
+        if method == "auto":
+            method = "allgather" if local.shape[0] * self.world <= AUTO_ALLGATHER_MAX_ROWS_X_RANKS else "allreduce"
+        if method == "allgather":
             out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
             dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
             return S.combine_stack(out)

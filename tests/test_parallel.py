@@ -27,7 +27,7 @@ from dist_utils import run_ranks
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import InputError, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs
-from cce_dist.parallel import AUTO_ALLGATHER_MAX_RANKS
+from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
 
 D = 16  # hidden size; never equal to a statistics width (4, 5) so collectives can be told apart
 V = 13  # global vocab (odd: shards are uneven)
@@ -316,8 +316,9 @@ def _check_counts(fails, name, fwd, bwd, world, c, *, fused, hidden_grad, max_lo
         fails.check(not fwd.calls and not bwd.calls, f"collectives on a single device: {fwd.calls + bwd.calls}", name)
         return
     coll = c["coll"]
-    if coll == "auto":  # documented: all-gather up to AUTO_ALLGATHER_MAX_RANKS ranks, all-reduces above
-        coll = "allgather" if world <= AUTO_ALLGATHER_MAX_RANKS else "allreduce"
+    if coll == "auto":  # documented: all-gather while rows * ranks <= the threshold (every chunk has <= N rows)
+        assert n_tokens * world <= AUTO_ALLGATHER_MAX_ROWS_X_RANKS, "test shapes should stay in one regime"
+        coll = "allgather"
     per = 2 if coll == "allreduce" else 1
     kind = "all_reduce" if coll == "allreduce" else "all_gather"
     fails.check(not f["other"] and not bk["other"], f"unexpected collectives {f['other'] + bk['other']}", name)
