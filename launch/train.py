@@ -113,7 +113,8 @@ def init_distributed(device: str):
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    # generous: local rank 0 may spend minutes building the tokenizer cache before a barrier
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     return rank, world, local_rank, local_world
 
 
@@ -284,6 +285,7 @@ def main(argv=None) -> int:
     tokens_local = args.batch_size * args.seq_len
     tokens_global = tokens_local * dp
     logits_mb = baseline.logits_bytes(tokens_local, per, compute_dtype) / 2**20
+    grads_mb = (per + tokens_local) * args.d_model * 4 / 2**20  # dW shard + dH, fp32, both hold
 
     log(f"[setup] world {world} = tp {tp} x dp {dp} | backend {dist.get_backend()} | device "
         f"{args.device} | dtype {args.dtype} | torch threads/rank {torch.get_num_threads()}")
@@ -292,7 +294,8 @@ def main(argv=None) -> int:
         f"{args.heads}, params {n_params - per * args.d_model + n_head_full:,} "
         f"(head {n_head_full:,}) | {tokens_global:,} tokens/step")
     log(f"[setup] losses: {', '.join(names)} | cce impl {args.impl}, chunk_size "
-        f"{args.chunk_size or 'default'} | materialized logits per rank: {logits_mb:.1f} MiB")
+        f"{args.chunk_size or 'default'} | per rank: materialized logits {logits_mb:.1f} MiB, "
+        f"dW+dH (both variants) {grads_mb:.1f} MiB")
 
     # ---- training
     hist = {n: {"loss": [], "step_s": [], "loss_s": [], "mem": [], "cuda_mem": []} for n in names}
@@ -316,6 +319,8 @@ def main(argv=None) -> int:
         header += f" | {'|Δloss|':>9}"
     header += " | " + " | ".join(f"{'tok/s ' + short[n]:>10}" for n in names)
     header += " | " + " | ".join(f"{'MiB ' + short[n]:>9}" for n in names)
+    out("[table] loss: global mean over the step's tokens; tok/s: global tokens / step time; "
+        "MiB: peak tensor memory of the loss fwd+bwd, max over ranks")
     out(header)
     out("-" * len(header))
     for step in steps:
@@ -376,7 +381,7 @@ def main(argv=None) -> int:
     status = 0
     if main_rank:
         status = report(args, names, hist, all_peaks, grad_check, in_sync, meta, cfg, world, tp,
-                        dp, per, tokens_global, logits_mb, n_params, wall)
+                        dp, per, tokens_global, logits_mb, grads_mb, n_params, wall)
     st = torch.tensor([float(status)], device=stat_dev)
     dist.broadcast(st, 0)
     dist.destroy_process_group()
@@ -389,7 +394,7 @@ def _median(xs):
 
 
 def report(args, names, hist, all_peaks, grad_check, in_sync, meta, cfg, world, tp, dp, per,
-           tokens_global, logits_mb, n_params, wall) -> int:
+           tokens_global, logits_mb, grads_mb, n_params, wall) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     warm = hist[names[0]]["step_s"][1:] or hist[names[0]]["step_s"]
     skip = 1 if len(warm) < len(hist[names[0]]["step_s"]) else 0
@@ -399,6 +404,7 @@ def report(args, names, hist, all_peaks, grad_check, in_sync, meta, cfg, world, 
         cfg.vocab_size, "vocab_per_rank": per, "params": n_params, "tokens_per_step":
         tokens_global, "data": meta, "torch": torch.__version__,
         "materialized_logits_mib_per_rank": logits_mb,
+        "grads_mib_per_rank": grads_mb,
         "memory_method": "peak bytes of tensors allocated by the loss forward+backward (incl. the "
                          "dH/dW it returns) above what existed before, per rank (launch/memory.py)",
         "steps": list(range(args.steps)),
@@ -486,34 +492,50 @@ def plot(summary, names, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"cce": "tab:blue", "materialized": "tab:orange"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    fig = plt.figure(figsize=(12, 5.5))
+    gs = fig.add_gridspec(2, 2, width_ratios=[2, 1], height_ratios=[3, 1.3])
+    ax1 = fig.add_subplot(gs[0, 0])
+    ax2 = fig.add_subplot(gs[:, 1])
     steps = summary["steps"]
     for n in names:
         ls = "-" if n == "cce" else "--"
-        ax1.plot(steps, summary[n]["loss"], ls, color=colors[n], label=f"{n}", lw=1.5)
-    ax1.set_xlabel("step")
+        ax1.plot(steps, summary[n]["loss"], ls, color=colors[n], label=n, lw=1.5)
     ax1.set_ylabel("training loss (nats)")
     ax1.set_title(f"tp={summary['tp']} dp={summary['dp']}, vocab {summary['vocab']}, "
-                  f"{summary['config']['dtype']}")
+                  f"{summary['config']['dtype']}, {summary['tokens_per_step']} tokens/step")
     ax1.legend(loc="upper right")
     if len(names) == 2:
-        ax1b = ax1.twinx()
-        d = [max(abs(x - y), 1e-12) for x, y in zip(summary["cce"]["loss"],
+        ax1.tick_params(labelbottom=False)
+        ax3 = fig.add_subplot(gs[1, 0], sharex=ax1)
+        floor = 1e-8
+        d = [max(abs(x - y), floor) for x, y in zip(summary["cce"]["loss"],
                                                    summary["materialized"]["loss"])]
-        ax1b.semilogy(steps, d, color="gray", lw=0.8, alpha=0.7)
-        ax1b.set_ylabel("|Δloss| (gray, log)")
+        ax3.semilogy(steps, d, color="gray", lw=0.8)
+        ax3.axhline(summary["agreement"]["tol_curve"], color="red", ls=":", lw=1,
+                    label=f"tolerance {summary['agreement']['tol_curve']:g}")
+        ax3.set_ylim(floor / 2, max(summary["agreement"]["tol_curve"], max(d)) * 5)
+        ax3.set_ylabel("|Δloss|")
+        ax3.set_xlabel(f"step (|Δloss| = 0 drawn at {floor:g})")
+        ax3.legend(loc="lower right", fontsize=8)
+    else:
+        ax1.set_xlabel("step")
     world = len(summary[names[0]]["peak_loss_mem_mib_per_rank"])
     width = 0.8 / len(names)
+    top = summary["materialized_logits_mib_per_rank"]
     for i, n in enumerate(names):
         xs = [r + (i - (len(names) - 1) / 2) * width for r in range(world)]
-        ax2.bar(xs, summary[n]["peak_loss_mem_mib_per_rank"], width, color=colors[n], label=n)
+        ys = summary[n]["peak_loss_mem_mib_per_rank"]
+        top = max(top, *ys)
+        bars = ax2.bar(xs, ys, width, color=colors[n], label=n)
+        ax2.bar_label(bars, fmt="%.1f", fontsize=8)
     ax2.axhline(summary["materialized_logits_mib_per_rank"], color="k", ls=":", lw=1,
-                label="materialized logits")
+                label="fp32 logits block (analytic)")
+    ax2.set_ylim(0, top * 1.35)
     ax2.set_xticks(range(world))
     ax2.set_xlabel("rank")
-    ax2.set_ylabel("peak loss fwd+bwd memory (MiB)")
-    ax2.set_title("loss memory per rank")
-    ax2.legend(loc="upper right", fontsize=8)
+    ax2.set_ylabel("MiB")
+    ax2.set_title("peak memory of loss forward+backward")
+    ax2.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
