@@ -249,7 +249,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
     if fused and plan.backend is torch_impl:
         return FusedCrossEntropy.apply(h2, weight, bias, t1, plan, opts)
     if plan.backend is torch_impl:
-        plan.backend_kwargs["row_stats"]["need_entropy"] = False
+        plan.backend_kwargs["row_stats"].update(need_entropy=False, need_sum=bool(opts.label_smoothing))
     loss_rows, lse = CrossEntropyRows.apply(h2, weight, bias, t1, plan, opts)
     if opts.reduction == "none":
         loss = loss_rows.reshape(shape)
@@ -269,7 +269,7 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     extra = (opts.temperature, opts.return_entropy, _wants_grad(hidden, weight, bias))
     h2, t1, plan, shape = _prepare(hidden, weight, targets, bias, opts, "logprob", extra)
     if plan.backend is torch_impl:
-        plan.backend_kwargs["row_stats"]["need_entropy"] = opts.return_entropy
+        plan.backend_kwargs["row_stats"].update(need_entropy=opts.return_entropy, need_sum=False)
     lp, ent = LogprobRows.apply(h2, weight, bias, t1, plan, opts)
     return (lp.reshape(shape), ent.reshape(shape)) if opts.return_entropy else lp.reshape(shape)
 

@@ -152,6 +152,7 @@ class FusedCrossEntropy(torch.autograd.Function):
                 vocab_start=plan.vocab_start, softcap=opts.softcap, chunk_tokens_=plan.fused_chunk_tokens,
                 need_hidden=need_h, need_weight=need_w, need_bias=need_b,
                 reduce_stats=comm.reduce_stats if comm.active else None,
+                need_sum=bool(opts.label_smoothing),
             )
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh).to(hidden.dtype)

@@ -65,16 +65,20 @@ def _target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple
 
 
 def _chunk_stats(
-    z: torch.Tensor, targets: torch.Tensor, vocab_start: int, need_entropy: bool
+    z: torch.Tensor, targets: torch.Tensor, vocab_start: int, need_entropy: bool, need_sum: bool = True
 ) -> torch.Tensor:
-    """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)``."""
+    """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)``.
+
+    ``need_sum=False`` / ``need_entropy=False`` leave those columns 0 and save a pass each.
+    """
     v_local, n = z.shape
     if v_local == 0:
         return S.empty_stats(n, device=z.device)
     out = z.new_zeros(n, S.NUM_STATS)
     rows, cols = _target_cols(targets, vocab_start, v_local)
     out[cols, S.TARGET] = z[rows, cols]
-    out[:, S.SUM] = z.sum(0)
+    if need_sum:
+        out[:, S.SUM] = z.sum(0)
     m = z.amax(0)
     out[:, S.MAX] = m
     z.sub_(m)
@@ -99,15 +103,20 @@ def row_stats(
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     need_entropy: bool = True,
+    need_sum: bool = True,
 ) -> torch.Tensor:
-    """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.backend`)."""
+    """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.backend`).
+
+    ``need_entropy`` / ``need_sum`` (torch only): skip the ENTROPY / SUM columns (left 0).
+    """
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     out = S.empty_stats(n_tokens, device=hidden.device)
     if n_tokens == 0 or v_local == 0:
         return out
     for sl in _chunks(n_tokens, chunk_tokens(n_tokens, v_local, chunk_size)):
-        z, _ = logits_t(hidden[sl], weight, bias, softcap, temperature)
-        out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy)
+        # One expression: the chunk's logits die before the next chunk's are allocated.
+        out[sl] = _chunk_stats(logits_t(hidden[sl], weight, bias, softcap, temperature)[0], targets[sl],
+                               vocab_start, need_entropy, need_sum)
     return out
 
 
@@ -212,13 +221,17 @@ def grads(
     need_z = bool((coef[:, DELTA] != 0).any())
     for sl in _chunks(n_tokens, chunk_tokens(n_tokens, v_local, chunk_size)):
         c = coef[sl]
-        if not bool(c.any()):  # every row of the chunk ignored or with zero upstream gradient
-            continue
-        z, th = logits_t(hidden[sl], weight, bias, softcap, temperature)
-        p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
-        dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
-        acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
+        if bool(c.any()):  # else every row of the chunk is ignored or has a zero upstream gradient
+            _grad_chunk(acc, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z)
     return acc.result()
+
+
+def _grad_chunk(acc, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z):
+    """One token chunk of :func:`grads` (a function, so its [V_local, n] blocks die on return)."""
+    z, th = logits_t(hidden[sl], weight, bias, softcap, temperature)
+    p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
+    dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
+    acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
 
 
 def fused_cross_entropy(
@@ -238,6 +251,7 @@ def fused_cross_entropy(
     need_weight: bool,
     need_bias: bool,
     reduce_stats: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    need_sum: bool = True,
 ):
     """Loss rows and gradients in one pass over token chunks (3 GEMMs; the scalar-loss schedule).
 
@@ -245,22 +259,30 @@ def fused_cross_entropy(
     loss rows via ``rows_fn(stats, valid) -> (loss, lse)`` and, while the logits are still held,
     the gradient for an upstream gradient of ``row_grad`` on every valid row via
     ``coef_fn(lse, valid) -> coef``. ``chunk_tokens_`` must be the same on every rank when
-    ``reduce_stats`` communicates. Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
+    ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing).
+    Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
     n_tokens = hidden.shape[0]
     acc = _GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
     loss = hidden.new_zeros(n_tokens, dtype=torch.float32)
     lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
     for sl in _chunks(n_tokens, chunk_tokens_):
-        z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0)
-        local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False)  # z := exp(z - m)
-        glob = reduce_stats(local) if reduce_stats is not None else local
-        loss[sl], lse[sl] = rows_fn(glob, valid[sl])
-        if acc.dh is None and acc.dw is None and acc.db is None:
-            continue
-        # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse)
-        z.mul_(torch.exp(local[:, S.MAX] - lse[sl]))
-        c = coef_fn(lse[sl], valid[sl]) * row_grad
-        dz = _finish_dz(z, None, th, c, targets[sl], vocab_start, 1.0)
-        acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
+        # A function per chunk, so its [V_local, n] block dies before the next one is allocated.
+        _fused_chunk(acc, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
+                     vocab_start, softcap, reduce_stats, need_sum)
     return (loss, lse) + acc.result()
+
+
+def _fused_chunk(acc, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
+                 vocab_start, softcap, reduce_stats, need_sum):
+    z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0)
+    local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
+    glob = reduce_stats(local) if reduce_stats is not None else local
+    loss[sl], lse[sl] = rows_fn(glob, valid[sl])
+    if acc.dh is None and acc.dw is None and acc.db is None:
+        return
+    # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse)
+    z.mul_(torch.exp(local[:, S.MAX] - lse[sl]))
+    c = coef_fn(lse[sl], valid[sl]) * row_grad
+    dz = _finish_dz(z, None, th, c, targets[sl], vocab_start, 1.0)
+    acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
