@@ -4,7 +4,7 @@ Three spawns of gloo ranks:
 
 1. ``test_rank_local_faults_*`` (3 ranks): a bad input on one rank only (out-of-range or
    negative target, wrong shapes, an empty batch, disagreeing N, disagreeing shard layouts, a
-   differing option, a differing head dtype under sequence parallelism) must raise a clear error
+   differing option; separately: a differing head dtype under sequence parallelism) must raise a clear error
    on *every* rank, after which the group is still in step (the next correct call is exact).
    NaN / Inf on one rank only (hidden row, weight shard, sequence-parallel slice, upstream
    gradient) must come out as NaN / Inf in the affected rows on every rank, never as a finite
