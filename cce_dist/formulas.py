@@ -48,7 +48,7 @@ def cross_entropy_coef(
     alpha = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
     if g_lse is not None:
         alpha = alpha + g_lse.float()
-    coef[:, ALPHA] = alpha
+    coef[:, ALPHA] = torch.where(valid, alpha, torch.zeros_like(alpha))  # g = 0 but lse = NaN: 0, not NaN
     coef[:, BETA] = -(1.0 - label_smoothing) * g
     if label_smoothing:
         coef[:, GAMMA] = -label_smoothing / vocab_size * g
