@@ -45,10 +45,12 @@ def cross_entropy_coef(
     """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
-    alpha = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
-    if g_lse is not None:
+    alpha = g
+    if z_loss:  # where(): an ignored row has g = 0 but may have lse = NaN, and 0 * NaN is NaN
+        alpha = torch.where(valid, g * (1.0 + 2.0 * z_loss * lse), torch.zeros_like(g))
+    if g_lse is not None:  # the returned lse is differentiable on every row, ignored or not
         alpha = alpha + g_lse.float()
-    coef[:, ALPHA] = torch.where(valid, alpha, torch.zeros_like(alpha))  # g = 0 but lse = NaN: 0, not NaN
+    coef[:, ALPHA] = alpha
     coef[:, BETA] = -(1.0 - label_smoothing) * g
     if label_smoothing:
         coef[:, GAMMA] = -label_smoothing / vocab_size * g
