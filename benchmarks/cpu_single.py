@@ -331,7 +331,7 @@ def finish(payload: dict) -> None:
     plot(payload, png)
     C.write_results("cpu_single", payload, md)
     print(md)
-    log(f"done; wrote {C.RESULTS}/cpu_single.{{json,md,png}}")
+    print(f"done; wrote {C.RESULTS}/cpu_single.{{json,md,png}}")
 
 
 def targets(payload: dict) -> list[str]:
