@@ -16,9 +16,12 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Skip GPU tests without CUDA, and slow tests (inductor compiles, N*V > 2**31) unless CCE_SLOW=1."""
+    slow_ok = bool(os.environ.get("CCE_SLOW"))
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_slow = pytest.mark.skip(reason="slow: set CCE_SLOW=1 to run")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        elif "slow" in item.keywords and not slow_ok:
+            item.add_marker(no_slow)
