@@ -2,7 +2,7 @@
 given group size -- ``VocabShard(stats_collective="allreduce")`` (all-reduce MAX of the row max,
 then one all-reduce SUM of the rescaled statistics: two round trips, 4 + 16 bytes per row) or
 ``"allgather"`` (one all-gather of the raw 20-byte rows, combined locally: one round trip, P x
-the bytes)? This decides ``cce_dist.parallel.AUTO_ALLGATHER_MAX_RANKS``.
+the bytes)? This decides ``cce_dist.parallel.AUTO_ALLGATHER_MAX_ROWS_X_RANKS``.
 
 For tp = 2, 4, 8 on gloo (spawned processes, 1 thread each; 8 processes on a 2-core machine is
 oversubscribed, so absolute times are pessimistic, but both methods suffer alike):
@@ -166,7 +166,7 @@ def verdict(p: dict) -> list[str]:
         if wins * 2 > len(ratios):
             largest_ok = max(largest_ok, int(tp))
     out.append(f"- largest measured group size where allgather wins on most N: {largest_ok} "
-               f"(cce_dist.parallel.AUTO_ALLGATHER_MAX_RANKS is {p['auto_allgather_max_ranks']})")
+               f"(cce_dist.parallel.AUTO_ALLGATHER_MAX_ROWS_X_RANKS is {p['auto_allgather_max_rows_x_ranks']})")
     # The crossover in terms of the bytes each rank receives from the all-gather (P * N * 20).
     pts = sorted((c["allgather"]["out_bytes"], c["allgather"]["median_s"] / c["allreduce"]["median_s"], tp, n)
                  for tp, r in p["by_tp"].items() for n, c in r["collective"].items())
@@ -230,10 +230,10 @@ def main() -> None:
     for tp in tps:
         log(f"tp={tp}")
         by_tp[str(tp)] = run(tp, cfg)
-    from cce_dist.parallel import AUTO_ALLGATHER_MAX_RANKS
+    from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
 
     payload = {"env": env, "question": "issue 3: allreduce vs allgather statistics collective by group size",
-               "fwd_shape": cfg["fwd_shape"], "by_tp": by_tp, "auto_allgather_max_ranks": AUTO_ALLGATHER_MAX_RANKS}
+               "fwd_shape": cfg["fwd_shape"], "by_tp": by_tp, "auto_allgather_max_rows_x_ranks": AUTO_ALLGATHER_MAX_ROWS_X_RANKS}
     payload["verdict"] = verdict(payload)
     C.close_env(env, started)
     md = render(payload)
