@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import torch_impl
-from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan, fused_chunk_tokens
+from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .options import DEFAULT_CHUNK_SIZE, CrossEntropyOptions, LogprobOptions, _CommonOptions
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
 
@@ -191,7 +191,8 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
     plan = Plan(
         backend=backend, compute_dtype=compute_dtype, vocab_start=0 if shard is None else shard.start,
         vocab_size=layout.vocab_size, comm=Comm(shard, layout), backend_kwargs=kw,
-        fused_chunk_tokens=fused_chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
+        # from values every rank agreed on, so the fused schedule's per-chunk collectives line up
+        fused_chunk_tokens=torch_impl.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
     return hidden.reshape(-1, d), t.reshape(-1), plan, tuple(targets.shape)
 

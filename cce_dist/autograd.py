@@ -21,9 +21,10 @@ from typing import Optional
 import torch
 
 from . import formulas as F
+from . import stats as S
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
-from .torch_impl import chunk_tokens, fused_cross_entropy
+from .torch_impl import fused_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,7 @@ class LogprobRows(torch.autograd.Function):
         plan, opts = ctx.plan, ctx.opts
         stats, valid = ctx.saved_tensors[4:6]
         coef = F.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
-        from .stats import lse as _lse
-
-        return _backward_grads(ctx, plan, coef, _lse(stats), opts.softcap, opts.temperature) + (None, None, None)
+        return _backward_grads(ctx, plan, coef, S.lse(stats), opts.softcap, opts.temperature) + (None, None, None)
 
 
 class FusedCrossEntropy(torch.autograd.Function):
@@ -145,7 +144,7 @@ class FusedCrossEntropy(torch.autograd.Function):
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
             kw = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
-            loss_rows, _lse, dh, dw, db = fused_cross_entropy(
+            loss_rows, _, dh, dw, db = fused_cross_entropy(
                 h, w, b, targets, valid, scale,
                 coef_fn=lambda lse, v: F.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
                 rows_fn=lambda st, v: F.cross_entropy_rows(st, v, **kw),
@@ -174,8 +173,3 @@ class FusedCrossEntropy(torch.autograd.Function):
                 if t is not None:
                     t.mul_(g.to(t.dtype))
         return tuple(grads) + (None, None, None)
-
-
-def fused_chunk_tokens(n_tokens: int, max_local_vocab: int, chunk_size: int) -> int:
-    """Token chunk of the fused schedule: derived only from values every rank agrees on."""
-    return chunk_tokens(n_tokens, max_local_vocab, chunk_size)
