@@ -272,12 +272,15 @@ def main() -> None:
         "torch_default": ("torch_chunked", {}),
         "torch_best": ("torch_chunked", torch_opts(best_bcs)),
     }
+    import cce_dist.options
+
+    payload["cce_default_chunk_size"] = cce_dist.options.DEFAULT_CHUNK_SIZE
     payload["main"] = compare(variants, N, D, V, "float32", repeats=repeats, log=log)
     save_partial(payload, env, started)
 
     # 3. cce_dist chunk_size sweep (fused schedule, the default).
     if "chunk" not in skip:
-        cs = CHUNK_SWEEP if not args.quick else [2**22, 2**23, 2**24]
+        cs = CHUNK_SWEEP if not args.quick else [2**22, 2**23, 2**24, 2**25]
         cv = {f"cce_chunk2^{c.bit_length() - 1}": ("cce", {"chunk_size": c}) for c in cs}
         payload["chunk_sweep"] = compare(cv, N, D, V, "float32", repeats=repeats, log=log)
         save_partial(payload, env, started)
@@ -373,7 +376,7 @@ def render_markdown(p: dict) -> str:
     s += ["## PyTorch chunked path: batch_chunk_size sweep (1 timed run each)", "",
           block_table(p["torch_sweep"]), ""]
     if "chunk_sweep" in p:
-        s += ["## cce_dist chunk_size sweep (default 2**23)", "", block_table(p["chunk_sweep"]), ""]
+        s += [f"## cce_dist chunk_size sweep (default {p.get('cce_default_chunk_size', 'unrecorded')})", "", block_table(p["chunk_sweep"]), ""]
     for b in p.get("scaling_fp32", []):
         sh = b["shape"]
         if sh["V"] == V:

@@ -21,8 +21,10 @@ REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "torch", "triton")
 
 #: Default number of logits (tokens x vocab entries) one chunk of the torch implementation holds
-#: at a time: 2**23 float32 logits = 32 MiB, which measured fastest on CPU at V = 64k.
-DEFAULT_CHUNK_SIZE = 1 << 23
+#: at a time: 2**24 float32 logits = 64 MiB (256 tokens at V = 64k). Thinner chunks make thin,
+#: slow GEMMs: at N=2048 D=512 V=64k on 2 CPU cores, 2**23 took 1.16x the time of 2**24 and lost
+#: to PyTorch's best chunked setting (benchmarks/results/cpu_single.md has the sweep).
+DEFAULT_CHUNK_SIZE = 1 << 24
 
 
 def _check_shift(shift: Union[bool, int]) -> int:

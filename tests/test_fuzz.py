@@ -403,7 +403,7 @@ def sharded_case(seed: int, world: int, impl: str) -> dict:
         ignore_frac=rng.choice([0.0, 0.3, 1.0]), scale=rng.choice([0.1, 1.0, 3.0]),
         reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.0, 0.2]),
         z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, None, 2.0]), temperature=rng.choice([1.0, 0.7]),
-        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, 1 << 23]),
+        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, cce_dist.options.DEFAULT_CHUNK_SIZE]),
         gif=rng.choice([None, False]), return_extra=rng.random() < 0.5,
     )
     return c
