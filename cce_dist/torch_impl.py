@@ -9,6 +9,12 @@ accumulator. The block is allocated once per call and reused by every chunk (:cl
 a fresh multi-MiB allocation per chunk costs page faults on every first touch, measured at
 ~20% of the logits GEMM at ``n = 128``.
 
+On a CPU without native GEMMs for a bf16/fp16 compute dtype (no AVX-512-BF16/AMX: the GEMM is
+emulated, measured ~70x slower than float32 here), the GEMM operands are upcast to float32 once
+per call (``+4 * (V_local + N) * D`` bytes) and the logits rounded to the compute dtype after
+the GEMM: the same values as a native low-precision GEMM with float32 accumulation
+(:func:`_gemm_inputs`).
+
 No autograd and no torch.distributed here: :mod:`cce_dist.autograd` calls these functions and
 passes a ``reduce_stats`` callback where statistics must be combined across ranks.
 """
@@ -46,6 +52,26 @@ class _Block:
         return self._flat[: self._v * n].view(self._v, n)
 
 
+def _native_low_precision_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU has native (not emulated) GEMMs for ``dtype`` (bf16/fp16)."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # private probes; assume emulated when absent
+        return False
+
+
+def _gemm_inputs(hidden, weight, bias):
+    """``(hidden, weight, bias, round_to)`` for the GEMMs: float32 copies plus the dtype to round
+    the logits to when ``weight`` is bf16/fp16 on a CPU without native GEMMs of that dtype, else
+    the inputs unchanged and ``None``."""
+    dt = weight.dtype
+    if weight.device.type != "cpu" or dt == torch.float32 or dt == torch.float64 or _native_low_precision_gemm(dt):
+        return hidden, weight, bias, None
+    return hidden.float(), weight.float(), None if bias is None else bias.float(), dt
+
+
 def logits_t(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -53,10 +79,12 @@ def logits_t(
     softcap: Optional[float],
     temperature: float,
     block: Optional[_Block] = None,
+    round_to: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Transposed logits ``z float32 [V_local, n]`` of a token chunk, and ``tanh(raw/softcap)``.
 
-    ``raw`` is rounded once to the compute dtype (a single addmm), exactly like ``F.linear``.
+    ``raw`` is rounded once to the compute dtype (a single addmm), exactly like ``F.linear``:
+    the compute dtype is ``weight.dtype``, or ``round_to`` for float32 operands upcast from it.
     With ``block``, float32 logits are written into it (no allocation), others copied into it.
     """
     direct = block is not None and weight.dtype == torch.float32
@@ -71,6 +99,8 @@ def logits_t(
     else:
         z = block.view(hidden.shape[0]).copy_(raw)
         del raw
+    if round_to is not None:
+        z.copy_(z.to(round_to))
     th = None
     if softcap is not None:
         th = torch.tanh(z.div_(softcap))  # z is ours: raw/softcap in place, then tanh
@@ -136,10 +166,11 @@ def row_stats(
     out = S.empty_stats(n_tokens, device=hidden.device)
     if n_tokens == 0 or v_local == 0:
         return out
+    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
     block = _Block(v_local, step, hidden.device)
     for sl in _chunks(n_tokens, step):
-        z = logits_t(hidden[sl], weight, bias, softcap, temperature, block)[0]
+        z = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)[0]
         out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy, need_sum)
     return out
 
@@ -256,19 +287,21 @@ def grads(
     if n_tokens == 0 or v_local == 0:
         return acc.result()
     need_z = bool((coef[:, DELTA] != 0).any())
+    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
     block = _Block(v_local, step, hidden.device)
     for sl in _chunks(n_tokens, step):
         c = coef[sl]
         if bool(c.any()):  # else every row of the chunk is ignored or has a zero upstream gradient
             _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature,
-                        need_z)
+                        need_z, round_to)
     return acc.result()
 
 
-def _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z):
+def _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z,
+                round_to):
     """One token chunk of :func:`grads` (a function, so its temporaries die on return)."""
-    z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block)
+    z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
     p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
     dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
     acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
@@ -307,16 +340,17 @@ def fused_cross_entropy(
     loss = hidden.new_zeros(n_tokens, dtype=torch.float32)
     lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
     block = _Block(weight.shape[0], min(chunk_tokens_, max(n_tokens, 1)), hidden.device)
+    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
     for sl in _chunks(n_tokens, chunk_tokens_):
         # A function per chunk, so its temporaries die before the next chunk starts.
         _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
-                     vocab_start, softcap, reduce_stats, need_sum)
+                     vocab_start, softcap, reduce_stats, need_sum, round_to)
     return (loss, lse) + acc.result()
 
 
 def _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
-                 vocab_start, softcap, reduce_stats, need_sum):
-    z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block)
+                 vocab_start, softcap, reduce_stats, need_sum, round_to):
+    z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
     local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
     glob = reduce_stats(local) if reduce_stats is not None else local
     loss[sl], lse[sl] = rows_fn(glob, valid[sl])

@@ -624,6 +624,30 @@ def test_bf16_activations_with_fp32_head():
         torch.testing.assert_close(dh.float(), rdh.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_cpu_upcast_gemm_rounds_logits_to_compute_dtype(dtype, bias, monkeypatch):
+    """On a CPU without native bf16/fp16 GEMMs the torch path runs float32 GEMMs on upcast operands
+    and must round the logits to the compute dtype, as a native GEMM would: the row maxima and
+    target logits are then values of that dtype, and both paths give the same statistics."""
+    from cce_dist import stats as S, torch_impl
+
+    h, w, b, t = make_inputs(n=48, dtype=dtype, seed=41, bias=bias, ignore_frac=0.0)
+    got = {}
+    for native in (False, True):
+        monkeypatch.setattr(torch_impl, "_native_low_precision_gemm", lambda dt, native=native: native)
+        got[native] = torch_impl.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0, chunk_size=7 * V)
+    up = got[False]
+    for col in (S.MAX, S.TARGET):
+        vals = up[:, col]
+        assert torch.equal(vals, vals.to(dtype).float()), f"stat {col}: logits were not rounded to {dtype}"
+    # native (emulated) low-precision GEMM vs float32 GEMM + rounding: equal up to one rounding step
+    # of the logits (different summation orders can land on neighbouring values)
+    ulp = torch.finfo(dtype).eps * got[True][:, S.MAX].abs().clamp_min(1.0)
+    assert ((up[:, S.MAX] - got[True][:, S.MAX]).abs() <= ulp).all()
+    torch.testing.assert_close(up[:, S.SUMEXP], got[True][:, S.SUMEXP], rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-4}, {"softcap": 30.0}], ids=_id)
 def test_loss_nonnegative_logprob_nonpositive_large_logits(dtype, opts):
