@@ -186,7 +186,8 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
     if backend is torch_impl:
         kw = {"row_stats": {"chunk_size": opts.chunk_size}, "grads": {"chunk_size": opts.chunk_size}}
     else:
-        kw = {"grads": {"filter_eps": _filter_eps(opts, compute_dtype), "deterministic": opts.deterministic}}
+        deterministic = opts.deterministic or torch.are_deterministic_algorithms_enabled()
+        kw = {"grads": {"filter_eps": _filter_eps(opts, compute_dtype), "deterministic": deterministic}}
     d = hidden.shape[-1]
     plan = Plan(
         backend=backend, compute_dtype=compute_dtype, vocab_start=0 if shard is None else shard.start,

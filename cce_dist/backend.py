@@ -24,13 +24,16 @@ An implementation is a module with two functions, free of autograd and of torch.
 
     With ``p = exp(z - lse)`` and ``onehot`` the target indicator, the gradient w.r.t. ``z`` is
 
-        dz = p * (ALPHA + DELTA * z) + BETA * onehot + GAMMA
+        dz = p * (ALPHA + DELTA * (z - lse)) + BETA * onehot + GAMMA
+
+    (``z - lse = log p`` keeps the DELTA term small where ``p`` matters, however large the logits;
+    a zero ``p`` contributes exactly 0 to the first term, even where ``z - lse`` is -inf.)
 
     then chained through temperature and softcap: ``d raw = dz / temperature * (1 - (c/softcap)^2)``
     (the softcap factor only with a softcap), and ``d_hidden = d raw @ weight``,
     ``d_weight = d raw.T @ hidden``, ``d_bias = d raw.sum(0)``, all accumulated in float32.
     ``filter_eps``: a kernel may skip a tile whose softmax terms are all small *relative to the
-    row's coefficients*, ``|p * (ALPHA + DELTA*z)| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)``
+    row's coefficients*, ``|p * (ALPHA + DELTA*(z - lse))| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)``
     (for cross-entropy: ``p <= filter_eps``, the CCE paper's rule, whatever the upstream scale);
     the BETA (target) and GAMMA (uniform smoothing) terms must stay exact. None = exact.
     ``deterministic``: no float atomics, bitwise repeatable (the torch implementation always is).
@@ -41,7 +44,8 @@ The coefficients for each output form (``g`` = upstream gradient of that output 
   ALPHA = g*(1 + 2*zl*lse), BETA = -g*(1-eps), GAMMA = -g*eps/V_total, DELTA = 0
 - returned lse: ALPHA += g_lse
 - logprob ``z_t - lse``: ALPHA = -g, BETA = g
-- entropy ``lse - E_p[z]``: ALPHA += g_ent * E_p[z], DELTA = -g_ent
+- entropy ``H = lse - E_p[z]``: ALPHA -= g_ent * H, DELTA = -g_ent
+  (d H / d z_j = -p_j * (z_j - lse + H))
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def cross_entropy_rows(
     lse = S.lse(stats)
     loss = lse - stats[:, S.TARGET]
     if label_smoothing:
-        smooth = lse - stats[:, S.SUM] / vocab_size
+        smooth = lse - S.mean_logit(stats, vocab_size)
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse
@@ -68,7 +68,10 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """Coefficients of d(logprob, entropy)/dz: dz = p*(ALPHA + DELTA*z) + BETA*onehot."""
+    """Coefficients of d(logprob, entropy)/dz: dz = p*(ALPHA + DELTA*(z - lse)) + BETA*onehot.
+
+    Centred on lse (d H/d z_j = -p_j (z_j - lse + H)), no term is of the logits' magnitude: with
+    absolute logits, ``g*E_p[z] - g*z`` cancelled and lost the logprob term at |z| ~ 1e37."""
     n = stats.shape[0]
     coef = stats.new_zeros(n, NUM_COEFS)
     zero = stats.new_zeros(n)
@@ -76,8 +79,7 @@ def logprob_coef(
     alpha = -g_lp
     if g_entropy is not None:
         g_ent = torch.where(valid, g_entropy.float(), zero)
-        ez = S.expected_logit(stats)
-        alpha = alpha + torch.where(g_ent != 0, g_ent * ez, zero)
+        alpha = alpha - torch.where(g_ent != 0, g_ent * S.entropy(stats), zero)
         coef[:, DELTA] = -g_ent
     coef[:, ALPHA] = alpha
     coef[:, BETA] = g_lp

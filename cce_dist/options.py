@@ -96,7 +96,8 @@ class CrossEntropyOptions(_CommonOptions):
                      (3 matmuls instead of 4); None = whenever it applies
     filter_eps       triton impl: skip backward tiles whose softmax gradient is below this
                      (None = exact, "auto" = the compute dtype's resolution)
-    deterministic    triton impl: no float atomics (bitwise reproducible); the torch impl always is
+    deterministic    triton impl: no float atomics (bitwise reproducible); also on under
+                     torch.use_deterministic_algorithms(True); the torch impl always is
     """
 
     reduction: Reduction = "mean"

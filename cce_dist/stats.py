@@ -10,11 +10,16 @@ A statistics tensor is ``float32 [N, NUM_STATS]`` with columns:
 ``MAX``      m = max_j z_j                                 (-inf for an empty slice)
 ``SUMEXP``   s = sum_j exp(z_j - m)                        (0 for an empty slice)
 ``TARGET``   x = z_t if the row's target t is in the slice, else 0
-``SUM``      a = sum_j z_j                                 (label smoothing needs mean_j z_j)
+``SUM``      a = sum_j z_j * SUM_SCALE                     (label smoothing needs mean_j z_j)
 ``ENTROPY``  e = sum_j exp(z_j - m) * (z_j - m)            (entropy needs E_p[z])
 
 ``e`` is taken relative to the slice max (rather than ``sum exp(z - m) * z``) so it does not
 cancel catastrophically when logits are large; it rescales like ``s`` plus a shift term.
+
+``a`` is scaled by the exact power of two ``SUM_SCALE = 2**-32`` before summing, so it cannot
+overflow float32 for any vocabulary below 2**32 entries, whatever the logits (an unscaled sum of
+V logits of ~1e37 overflows, and ``lse - a / V`` became -inf). Scaling only loses logits below
+~1e-29 to float32's subnormal range: an absolute error under 1e-35 in ``mean_j z_j``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 MAX, SUMEXP, TARGET, SUM, ENTROPY = range(5)
 NUM_STATS = 5
+SUM_SCALE = 2.0**-32
 
 
 def empty_stats(n: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -83,6 +89,11 @@ def lse(stats: torch.Tensor) -> torch.Tensor:
 def expected_logit(stats: torch.Tensor) -> torch.Tensor:
     """E_{p}[z] per row, ``float32 [N]``."""
     return stats[:, MAX] + stats[:, ENTROPY] / stats[:, SUMEXP]
+
+
+def mean_logit(stats: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """mean_j z_j over a vocabulary of ``vocab_size`` entries, ``float32 [N]`` (never overflows)."""
+    return (stats[:, SUM] / vocab_size) / SUM_SCALE
 
 
 def entropy(stats: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,8 @@ def _target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple
 def _chunk_stats(
     z: torch.Tensor, targets: torch.Tensor, vocab_start: int, need_entropy: bool, need_sum: bool = True
 ) -> torch.Tensor:
-    """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)``.
+    """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)`` (with
+    ``need_entropy``: with ``z - m``).
 
     ``need_sum=False`` / ``need_entropy=False`` leave those columns 0 and save a pass each.
     """
@@ -130,16 +131,20 @@ def _chunk_stats(
     out = z.new_zeros(n, S.NUM_STATS)
     rows, cols = _target_cols(targets, vocab_start, v_local)
     out[cols, S.TARGET] = z[rows, cols]
-    if need_sum:
-        out[:, S.SUM] = z.sum(0)
+    if need_sum:  # sum_j z_j * 2**-32 as one GEMV: each term is scaled before it is accumulated
+        out[:, S.SUM] = torch.mv(z.t(), z.new_full((v_local,), S.SUM_SCALE))
     m = z.amax(0)
     out[:, S.MAX] = m
     z.sub_(m)
     if need_entropy:
         ex = torch.exp(z)
         out[:, S.SUMEXP] = ex.sum(0)
-        out[:, S.ENTROPY] = ex.mul_(z).sum(0)
-        z.copy_(ex)
+        ent = ex.mul_(z).sum(0)
+        bad = torch.nonzero(torch.isnan(ent), as_tuple=True)[0]
+        if bad.numel():  # a -inf logit (p = 0) gave 0 * -inf: its term is 0 (NaN logits stay NaN)
+            zb = z[:, bad]
+            ent[bad] = torch.where(torch.isneginf(zb), 0.0, torch.exp(zb) * zb).sum(0)
+        out[:, S.ENTROPY] = ent
     else:
         out[:, S.SUMEXP] = z.exp_().sum(0)
     return out
@@ -225,6 +230,7 @@ def _finish_dz(
 ) -> torch.Tensor:
     """Turn ``dz = p`` (in place) into the gradient w.r.t. the raw logits of the chunk.
 
+    ``z`` (only with an entropy term): the chunk's ``z - lse`` (= log p), for the DELTA term.
     ``p_scale [n]`` (optional, no entropy term): ``dz`` holds ``p / p_scale``, rescaled in the
     same pass as the ``alpha`` multiply.
 
@@ -234,9 +240,9 @@ def _finish_dz(
     """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
     inactive = torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
-    if z is not None:  # entropy term: p * (alpha + delta * z)
+    if z is not None:  # entropy term: p * (alpha + delta * (z - lse)); p == 0 gives 0, not 0 * inf
         assert p_scale is None
-        dz.mul_(torch.addcmul(alpha, delta, z))
+        dz.mul_(torch.addcmul(alpha, delta, z).masked_fill_(dz == 0, 0.0))
     else:
         dz.mul_(alpha if p_scale is None else alpha * p_scale)
     rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
@@ -302,7 +308,8 @@ def _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_sta
                 round_to):
     """One token chunk of :func:`grads` (a function, so its temporaries die on return)."""
     z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
-    p = torch.exp(z - lse[sl]) if need_z else z.sub_(lse[sl]).exp_()
+    z.sub_(lse[sl])  # log p
+    p = torch.exp(z) if need_z else z.exp_()
     dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
     acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
 

@@ -5,7 +5,7 @@ For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coeff
 
     z, t  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
     p     = exp(z - lse_I)
-    dz    = p * (ALPHA + DELTA * z) + BETA * [j == t_i] + GAMMA
+    dz    = p * (ALPHA + DELTA * (z - lse_I)) + BETA * [j == t_i] + GAMMA   (0 where p == 0)
     draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled)
     dH_I += draw @ W_J        dW_J += draw.T @ h_I        db_J += colsum(draw)
 
@@ -27,7 +27,7 @@ Two schedules:
   fewer programs; again no scratch memory beyond the gradients.
 
 Gradient filtering (``filter_eps``): a tile is skipped when every p-term in it is small relative
-to its row's coefficients, |p * (ALPHA + DELTA * z)| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)
+to its row's coefficients, |p * (ALPHA + DELTA * (z - lse))| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)
 (for cross-entropy and logprobs that is p * |1 + 2 zl lse| <= filter_eps roughly: the CCE paper's
 "p below the dtype's resolution", independent of the upstream gradient's scale, e.g. 1/N of a
 mean), unless it holds a target with BETA != 0, so the target term stays exact. Rows with all-zero
@@ -94,8 +94,11 @@ def _dz_tile(
     ok = active[:, None] & col_ok[None, :]
     hit = (offs_v[None, :] == tgt[:, None]) & ok
 
-    p = tl.exp(z - lse[:, None])
-    pterm = tl.where(ok, p * (alpha[:, None] + delta[:, None] * z), 0.0)
+    zc = z - lse[:, None]  # log p: small wherever p matters, however large the logits
+    p = tl.exp(zc)
+    # p == 0 (a -inf logit, e.g. a masked token's -inf bias) contributes exactly 0, not 0 * inf.
+    # (!= rather than >: a NaN p must still propagate.)
+    pterm = tl.where(ok & (p != 0.0), p * (alpha[:, None] + delta[:, None] * zc), 0.0)
     dz = pterm + tl.where(hit, beta[:, None], 0.0)
     if GAMMA_IN_TILE:
         dz += tl.where(ok, gamma[:, None], 0.0)

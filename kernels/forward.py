@@ -16,10 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_dist.stats import NUM_STATS, combine_stack, empty_stats
+from cce_dist.stats import NUM_STATS, SUM_SCALE, combine_stack, empty_stats
 
 from . import config as _config
 from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
+
+_SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.stats)
 
 
 @triton.jit
@@ -83,8 +85,9 @@ def _row_stats_kernel(
         zc = z - new_m[:, None]
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         s += tl.sum(p, axis=1)
-        e += tl.sum(tl.where(col_ok[None, :], p * zc, 0.0), axis=1)
-        a += tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1)
+        # p == 0 (a -inf logit): its term is 0, not 0 * -inf (!=, so a NaN p still propagates)
+        e += tl.sum(tl.where(col_ok[None, :] & (p != 0.0), p * zc, 0.0), axis=1)
+        a += tl.sum(tl.where(col_ok[None, :], z * _SUM_SCALE, 0.0), axis=1)  # scaled: cannot overflow
         hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]
         x += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m = new_m
