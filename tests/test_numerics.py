@@ -224,7 +224,9 @@ def test_bitwise_deterministic_across_runs(impl, dtype, case):
     _, fn, kw = case
     n, v, d = (33, 70, 16) if impl == "triton" else (300, 1000, 48)
     h, w, b, t = _problem(n=n, v=v, d=d, dtype=dtype, seed=3)
-    extra = dict(deterministic=True) if impl == "triton" else dict(chunk_size=4096)
+    # triton: no flag, torch.use_deterministic_algorithms alone selects the atomic-free backward
+    # (test_triton_follows_torch_use_deterministic_algorithms checks that it does)
+    extra = {} if impl == "triton" else dict(chunk_size=4096)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
