@@ -376,7 +376,8 @@ def render_markdown(p: dict) -> str:
     s += ["## PyTorch chunked path: batch_chunk_size sweep (1 timed run each)", "",
           block_table(p["torch_sweep"]), ""]
     if "chunk_sweep" in p:
-        s += [f"## cce_dist chunk_size sweep (default {p.get('cce_default_chunk_size', 'unrecorded')})", "", block_table(p["chunk_sweep"]), ""]
+        default = p.get("cce_default_chunk_size", "unrecorded")
+        s += [f"## cce_dist chunk_size sweep (default {default})", "", block_table(p["chunk_sweep"]), ""]
     for b in p.get("scaling_fp32", []):
         sh = b["shape"]
         if sh["V"] == V:

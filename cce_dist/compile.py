@@ -54,6 +54,8 @@ def _kwargs(backend, chunk_size: int, need_entropy: bool, filter_eps: Optional[f
 
     if backend is torch_impl:
         return ({"chunk_size": chunk_size, "need_entropy": need_entropy}, {"chunk_size": chunk_size})
+    # read at run time: torch.use_deterministic_algorithms selects the atomic-free backward (as in eager)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     return ({}, {"filter_eps": filter_eps, "deterministic": deterministic})
 
 

@@ -321,7 +321,8 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
     ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
     fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
     [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
-    it relative to their row's coefficient scale (see the module docstring; None = exact). ``deterministic``: no float atomics, bitwise repeatable.
+    it relative to their row's coefficient scale (see the module docstring; None = exact).
+    ``deterministic``: no float atomics, bitwise repeatable.
     ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
     """
     check_inputs(_INTERPRET, hidden, weight, bias, targets)
