@@ -22,8 +22,8 @@ IMPLS = ("auto", "torch", "triton")
 
 #: Default number of logits (tokens x vocab entries) one chunk of the torch implementation holds
 #: at a time: 2**24 float32 logits = 64 MiB (256 tokens at V = 64k). Thinner chunks make thin,
-#: slow GEMMs: at N=2048 D=512 V=64k on 2 CPU cores, 2**23 took 1.16x the time of 2**24 and lost
-#: to PyTorch's best chunked setting (benchmarks/results/cpu_single.md has the sweep).
+#: slow GEMMs: at N=2048 D=512 V=64k on 2 CPU cores, 2**23 took 1.1x and 2**22 1.4x the time of
+#: 2**24; 2**25 saved 5% for twice the block (benchmarks/results/cpu_single.md has the sweep).
 DEFAULT_CHUNK_SIZE = 1 << 24
 
 
