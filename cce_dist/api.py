@@ -16,7 +16,7 @@ from torch import nn
 
 from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
-from .options import DEFAULT_CHUNK_SIZE, CrossEntropyOptions, LogprobOptions, _CommonOptions
+from .options import CrossEntropyOptions, LogprobOptions, _CommonOptions
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
 
 Tensor = torch.Tensor
@@ -296,7 +296,7 @@ def linear_cross_entropy(
     shard: Optional[VocabShard] = None,
     impl: str = "auto",
     return_lse: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
     grad_in_forward: Optional[bool] = None,
     filter_eps: Optional[Union[float, str]] = None,
     deterministic: bool = False,
@@ -326,7 +326,8 @@ def linear_cross_entropy(
         impl: ``"auto"`` (triton for CUDA tensors when it imports, else torch), ``"torch"``,
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
         return_lse: also return the float32 per-token log-sum-exp (targets' shape).
-        chunk_size: torch impl: logits (tokens x vocab entries) held at once (memory/speed knob).
+        chunk_size: torch impl: logits (tokens x vocab entries) held at once (memory/speed knob);
+            None = ``max(2**24, 256 * V_local)`` (at least 256 tokens per chunk).
         grad_in_forward: torch impl: for a scalar loss with gradients, form the gradients during
             forward (3 GEMMs instead of 4; a single backward). None = whenever it applies.
         filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
@@ -358,7 +359,7 @@ def linear_logprobs(
     shard: Optional[VocabShard] = None,
     impl: str = "auto",
     return_entropy: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
     filter_eps: Optional[Union[float, str]] = None,
     deterministic: bool = False,
 ):

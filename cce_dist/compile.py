@@ -49,7 +49,7 @@ def _backend(impl: str, device: torch.device):
     return _resolve_backend(impl, device)
 
 
-def _kwargs(backend, chunk_size: int, need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
+def _kwargs(backend, chunk_size: Optional[int], need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
     from . import torch_impl
 
     if backend is torch_impl:
@@ -109,7 +109,7 @@ def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, tem
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())
 def _ce_rows(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], impl: str, chunk_size: int,
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], impl: str, chunk_size: Optional[int],
     filter_eps: Optional[float], deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
@@ -131,7 +131,7 @@ def _(hidden, weight, bias, targets, compute_dtype, ignore_index, label_smoothin
 def _ce_rows_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor, g_loss: Tensor,
     g_lse: Tensor, compute_dtype: torch.dtype, ignore_index: int, label_smoothing: float, z_loss: float,
-    softcap: Optional[float], impl: str, chunk_size: int, filter_eps: Optional[float], deterministic: bool,
+    softcap: Optional[float], impl: str, chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
@@ -183,7 +183,7 @@ def _ce_backward(ctx, g_loss, g_lse):
 def _logprob_rows(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, compute_dtype: torch.dtype,
     ignore_index: int, softcap: Optional[float], temperature: float, return_entropy: bool, impl: str,
-    chunk_size: int, filter_eps: Optional[float], deterministic: bool,
+    chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     _check_targets(targets, ignore_index, weight.shape[0])
@@ -206,7 +206,7 @@ def _(hidden, weight, bias, targets, compute_dtype, ignore_index, softcap, tempe
 def _logprob_rows_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, stats: Tensor, g_lp: Tensor,
     g_ent: Tensor, compute_dtype: torch.dtype, ignore_index: int, softcap: Optional[float], temperature: float,
-    return_entropy: bool, impl: str, chunk_size: int, filter_eps: Optional[float], deterministic: bool,
+    return_entropy: bool, impl: str, chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index

@@ -20,11 +20,15 @@ Impl = Literal["auto", "torch", "triton"]
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "torch", "triton")
 
-#: Default number of logits (tokens x vocab entries) one chunk of the torch implementation holds
-#: at a time: 2**24 float32 logits = 64 MiB (256 tokens at V = 64k). Thinner chunks make thin,
-#: slow GEMMs: at N=2048 D=512 V=64k on 2 CPU cores, 2**23 took 1.1x and 2**22 1.4x the time of
-#: 2**24; 2**25 saved 5% for twice the block (benchmarks/results/cpu_single.md has the sweep).
+#: ``chunk_size=None`` (the default) sizes the torch implementation's token chunks to hold
+#: ``max(DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS * V_local)`` logits: 2**24 float32 logits = 64 MiB,
+#: and never fewer than 256 tokens, because thinner chunks make thin, slow GEMMs. At N=2048 D=512
+#: on 2 CPU cores: V=64k, 2**23 logits took 1.1x and 2**22 1.4x the time of 2**24; V=256k, 64
+#: tokens per chunk took 1.3x the time of 256 (benchmarks/results/cpu_single.md has the sweeps).
+#: The floor keeps the block at ``256 / D`` of the float32 weight gradient: never larger than the
+#: gradient for a head dimension >= 256. An explicit int is a hard cap (at least one token).
 DEFAULT_CHUNK_SIZE = 1 << 24
+MIN_CHUNK_TOKENS = 256
 
 
 def _check_shift(shift: Union[bool, int]) -> int:
@@ -51,7 +55,7 @@ class _CommonOptions:
     shift: Union[bool, int] = False
     shard: Optional["VocabShard"] = None
     impl: Impl = "auto"
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: Optional[int] = None
     filter_eps: Optional[Union[float, Literal["auto"]]] = None
     deterministic: bool = False
 
@@ -62,8 +66,10 @@ class _CommonOptions:
         object.__setattr__(self, "shift", _check_shift(self.shift))
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.chunk_size is not None and (
+            not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
+        ):
+            raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
         if self.filter_eps is not None and self.filter_eps != "auto" and not (
             isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0
         ):
@@ -91,7 +97,8 @@ class CrossEntropyOptions(_CommonOptions):
     shard            a :class:`cce_dist.VocabShard` for vocab-parallel heads, or None
     impl             "auto" (triton for CUDA tensors when it imports, else torch), "torch", "triton"
     return_lse       also return the per-token log-sum-exp (float32, targets' shape)
-    chunk_size       logits held at once by the torch implementation (tokens x vocab entries)
+    chunk_size       logits held at once by the torch implementation (tokens x vocab entries);
+                     None = max(2**24, 256 * V_local)
     grad_in_forward  torch impl: form gradients during forward when the loss is a scalar
                      (3 matmuls instead of 4); None = whenever it applies
     filter_eps       triton impl: skip backward tiles whose softmax gradient is below this

@@ -27,12 +27,15 @@ import torch
 
 from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA
-from .options import DEFAULT_CHUNK_SIZE
+from .options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
 
 
-def chunk_tokens(n_tokens: int, v_local: int, chunk_size: int) -> int:
-    """Tokens per chunk so a chunk holds at most ``chunk_size`` logits (at least one token)."""
-    return max(1, min(max(n_tokens, 1), chunk_size // max(v_local, 1)))
+def chunk_tokens(n_tokens: int, v_local: int, chunk_size: Optional[int]) -> int:
+    """Tokens per chunk: at most ``chunk_size`` logits (at least one token), or for ``None``
+    ``max(DEFAULT_CHUNK_SIZE // v_local, MIN_CHUNK_TOKENS)`` (see :mod:`cce_dist.options`)."""
+    v = max(v_local, 1)
+    step = max(DEFAULT_CHUNK_SIZE // v, MIN_CHUNK_TOKENS) if chunk_size is None else chunk_size // v
+    return max(1, min(max(n_tokens, 1), step))
 
 
 def _chunks(n_tokens: int, step: int) -> Iterator[slice]:
@@ -159,7 +162,7 @@ def row_stats(
     vocab_start: int,
     softcap: Optional[float],
     temperature: float,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
     need_entropy: bool = True,
     need_sum: bool = True,
 ) -> torch.Tensor:
@@ -281,7 +284,7 @@ def grads(
     need_bias: bool,
     filter_eps: Optional[float] = None,
     deterministic: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
 ):
     """Gradients of this shard from the global ``lse`` and ``coef`` (contract: :mod:`cce_dist.backend`).
 

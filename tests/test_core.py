@@ -239,7 +239,7 @@ def test_logprobs_entropy_fp32_matches_oracle(opts, which, bias):
     assert_unchanged(before, h, w, b, t)
 
 
-@pytest.mark.parametrize("chunk_size", [1, V - 1, V, V + 1, 3 * V + 1, N * V - 1, N * V, 1 << 30])
+@pytest.mark.parametrize("chunk_size", [1, V - 1, V, V + 1, 3 * V + 1, N * V - 1, N * V, 1 << 30, None])
 @pytest.mark.parametrize("gif", [None, False], ids=lambda g: f"gif={g}")
 def test_chunk_sizes(chunk_size, gif):
     """Any chunk_size (smaller than a row, not a multiple of V, larger than everything) is exact."""
@@ -823,6 +823,8 @@ def _bad_cases():
         ("targets_not_tensor", TypeError, r"targets", lambda: linear_cross_entropy(h, w, t.tolist())),
         ("weight_1d", ValueError, r"weight", lambda: linear_cross_entropy(h, w[0], t)),
         ("chunk_size", ValueError, r"chunk_size", lambda: linear_cross_entropy(h, w, t, chunk_size=0)),
+        ("chunk_size_bool", ValueError, r"chunk_size", lambda: linear_cross_entropy(h, w, t, chunk_size=True)),
+        ("chunk_size_float", ValueError, r"chunk_size", lambda: linear_logprobs(h, w, t, chunk_size=2.0**20)),
         ("shift_neg", ValueError, r"shift", lambda: linear_cross_entropy(h, w, t, shift=-1)),
         ("lp_targets_too_big", ValueError, r"targets", lambda: linear_logprobs(h, w, t.clone().fill_(11))),
         ("lp_hidden_int", TypeError, r"hidden", lambda: linear_logprobs(h.long(), w, t)),
@@ -1046,6 +1048,20 @@ def test_no_nv_sized_tensor_allocated(dtype, fn):
     bound = max(MCHUNK, MV * MD, MN * MD, 8 * (MN + MV))
     assert mode.max_numel <= bound, f"{mode.max_op} produced {mode.max_numel} elements (bound {bound})"
     assert bound * 8 < MN * MV
+
+
+def test_default_chunk_rule():
+    """chunk_size=None: 2**24 logits per chunk, but never fewer than 256 tokens (thin GEMMs are
+    slow); an explicit int is a hard cap of at least one token."""
+    from cce_dist.torch_impl import chunk_tokens
+
+    assert chunk_tokens(4096, 65536, None) == 256  # 2**24 logits
+    assert chunk_tokens(4096, 32768, None) == 512
+    assert chunk_tokens(4096, 262144, None) == 256  # the token floor, not 2**24 // V = 64
+    assert chunk_tokens(100, 262144, None) == 100  # never more than the tokens there are
+    assert chunk_tokens(4096, 262144, 1 << 24) == 64  # an explicit cap is honoured
+    assert chunk_tokens(4096, 262144, 5) == 1
+    assert chunk_tokens(0, 0, None) == 1
 
 
 def test_chunk_size_bounds_the_logit_block():

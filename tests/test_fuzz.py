@@ -207,7 +207,7 @@ def check_cross_entropy(data, impl: str, small: bool):
     zl = data.draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1]), label="z_loss")
     softcap = data.draw(st.sampled_from([None, None, 0.7, 5.0, 30.0]), label="softcap")
     shift = data.draw(st.sampled_from([False, True, 0, 2]), label="shift")
-    chunk = data.draw(st.sampled_from([1, 3, max(v - 1, 1), 64, cce_dist.options.DEFAULT_CHUNK_SIZE]), label="chunk")
+    chunk = data.draw(st.sampled_from([1, 3, max(v - 1, 1), 64, None]), label="chunk")
     gif = data.draw(st.sampled_from([None, False, True]), label="grad_in_forward")
     ret_lse = data.draw(st.booleans(), label="return_lse")
     module = data.draw(st.booleans(), label="module form")
@@ -286,7 +286,7 @@ def check_logprobs(data, impl: str, small: bool):
     temp = data.draw(st.sampled_from([1.0, 1.0, 0.3, 2.5]), label="temperature")
     shift = data.draw(st.sampled_from([False, True, 3]), label="shift")
     ret_ent = data.draw(st.booleans(), label="return_entropy")
-    chunk = data.draw(st.sampled_from([1, 5, 64, cce_dist.options.DEFAULT_CHUNK_SIZE]), label="chunk")
+    chunk = data.draw(st.sampled_from([1, 5, 64, None]), label="chunk")
     extra = {}
     if impl == "triton":
         extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
@@ -403,7 +403,7 @@ def sharded_case(seed: int, world: int, impl: str) -> dict:
         ignore_frac=rng.choice([0.0, 0.3, 1.0]), scale=rng.choice([0.1, 1.0, 3.0]),
         reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.0, 0.2]),
         z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, None, 2.0]), temperature=rng.choice([1.0, 0.7]),
-        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, cce_dist.options.DEFAULT_CHUNK_SIZE]),
+        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, None]),
         gif=rng.choice([None, False]), return_extra=rng.random() < 0.5,
     )
     return c

@@ -27,7 +27,7 @@ from dist_utils import run_ranks
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import InputError, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs
-from cce_dist.options import DEFAULT_CHUNK_SIZE
+from cce_dist.torch_impl import chunk_tokens
 from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
 
 D = 16  # hidden size; never equal to a statistics width (4, 5) so collectives can be told apart
@@ -337,7 +337,7 @@ def _check_counts(fails, name, fwd, bwd, world, c, *, fused, hidden_grad, max_lo
     fails.check(not bk["stats"] and not bk["handshake"] and not bk["gather_tokens"],
                 f"backward issued {bk['stats'] + bk['handshake'] + bk['gather_tokens']}", name)
     if fused:
-        step = max(1, min(n_tokens, (c["chunk"] or DEFAULT_CHUNK_SIZE) // max(max_local, 1)))
+        step = chunk_tokens(n_tokens, max_local, c["chunk"])
         n_chunks = math.ceil(n_tokens / step)
         fails.check(len(f["stats"]) == per * n_chunks,
                     f"fused path: {len(f['stats'])} stats collectives for {n_chunks} token chunks (want {per} each)",
