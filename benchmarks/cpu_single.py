@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: scaling,bf16,chunk")
     ap.add_argument("--shape", default=None, help="N,D,V of the main block (default 2048,512,65536)")
     ap.add_argument("--render-only", action="store_true", help="re-render .md/.png from the saved JSON")
+    ap.add_argument("--update", default="", help="re-measure only these sections (scaling) into the saved results")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global N, D, V, SCALING_V, BF16_SHAPE
@@ -246,10 +247,13 @@ def main() -> None:
     if args.render_only:
         finish(json.loads((C.RESULTS / "cpu_single.json").read_text()))
         return
-    started = time.perf_counter()
     torch.set_num_threads(THREADS)
-    log = C.logger("cpu_single")
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.update:
+        update_main(args, repeats)
+        return
+    started = time.perf_counter()
+    log = C.logger("cpu_single")
     skip = set(filter(None, args.skip.split(",")))
     env = C.env_info(mode="quick" if args.quick else "full", repeats=repeats)
     payload: dict = {"env": env, "question": "issue 2: cce_dist CPU path vs materialized and torch's chunked LCE"}
@@ -287,15 +291,7 @@ def main() -> None:
 
     # 4. Scaling in V (fp32).
     if "scaling" not in skip:
-        sv = [32768] if args.quick else SCALING_V
-        blocks = []
-        for v in sv:
-            vv = {"materialized": ("materialized", {}), "cce": ("cce", {}),
-                  "torch_best": ("torch_chunked", torch_opts(best_bcs))}
-            blocks.append(compare(vv, N, D, v, "float32", repeats=repeats, log=log))
-        main_block = {"shape": payload["main"]["shape"], "rows": {k: payload["main"]["rows"][k] for k in
-                                                                   ("materialized", "cce", "torch_best")}}
-        payload["scaling_fp32"] = sorted(blocks + [main_block], key=lambda b: b["shape"]["V"])
+        run_scaling(payload, args.quick, repeats, log)
         save_partial(payload, env, started)
 
     # 5. bf16 (reduced shape).
@@ -313,6 +309,35 @@ def main() -> None:
 
     payload["complete"] = True
     C.close_env(env, started)
+    finish(payload)
+
+
+def run_scaling(payload: dict, quick: bool, repeats: int, log) -> None:
+    """Section 4: materialized / cce / torch's best at the other vocabulary sizes (fp32)."""
+    best_bcs = payload["torch_best_batch_chunk_size"]
+    blocks = []
+    for v in [32768] if quick else SCALING_V:
+        vv = {"materialized": ("materialized", {}), "cce": ("cce", {}),
+              "torch_best": ("torch_chunked", torch_opts(best_bcs))}
+        blocks.append(compare(vv, N, D, v, "float32", repeats=repeats, log=log))
+    main_block = {"shape": payload["main"]["shape"], "rows": {k: payload["main"]["rows"][k] for k in
+                                                               ("materialized", "cce", "torch_best")}}
+    payload["scaling_fp32"] = sorted(blocks + [main_block], key=lambda b: b["shape"]["V"])
+
+
+def update_main(args, repeats: int) -> None:
+    """``--update scaling``: re-measure only that section into the saved results, recording the
+    re-run's own date, commit and load next to the original run's."""
+    payload = json.loads((C.RESULTS / "cpu_single.json").read_text())
+    sections = set(filter(None, args.update.split(",")))
+    if sections - {"scaling"}:
+        raise SystemExit(f"--update supports: scaling (got {sorted(sections)})")
+    started = time.perf_counter()
+    env = C.env_info(mode="update", sections=sorted(sections), repeats=repeats)
+    log = C.logger("cpu_single")
+    run_scaling(payload, args.quick, repeats, log)
+    C.close_env(env, started)
+    payload.setdefault("updates", []).append(env)
     finish(payload)
 
 
@@ -362,6 +387,9 @@ def targets(payload: dict) -> list[str]:
 
 def render_markdown(p: dict) -> str:
     s = ["# cpu_single — issue 2: single-device CPU loss + grads", "", C.env_markdown(p["env"]), ""]
+    for u in p.get("updates", []):
+        s += [f"Re-measured later with `--update {','.join(u['sections'])}` (that section only):", "",
+              C.env_markdown(u), ""]
     if not p.get("complete", True):
         s += ["**Partial run**: the sections below are those measured before the run stopped.", ""]
     s += ["Forward + backward (grads for hidden and weight), median of interleaved repeats after a "
