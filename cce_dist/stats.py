@@ -86,11 +86,6 @@ def lse(stats: torch.Tensor) -> torch.Tensor:
     return stats[:, MAX] + torch.log(stats[:, SUMEXP])
 
 
-def expected_logit(stats: torch.Tensor) -> torch.Tensor:
-    """E_{p}[z] per row, ``float32 [N]``."""
-    return stats[:, MAX] + stats[:, ENTROPY] / stats[:, SUMEXP]
-
-
 def mean_logit(stats: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """mean_j z_j over a vocabulary of ``vocab_size`` entries, ``float32 [N]`` (never overflows)."""
     return (stats[:, SUM] / vocab_size) / SUM_SCALE

@@ -3,9 +3,8 @@
 The logits are formed one token chunk at a time, transposed (``[V_local, n]``, computed as
 ``weight @ hidden_chunk.T``): on CPU this layout runs all three GEMMs (logits, dH, dW) on
 contiguous operands, measured 1.3-1.6x faster than ``hidden @ weight.T`` for thin chunks.
-Peak extra memory is one ``[V_local, n]`` float32 block (``n = chunk_size // V_local``, at least
-one token) plus ``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW
-accumulator. The block is allocated once per call and reused by every chunk (:class:`_Block`):
+Peak extra memory is one ``[V_local, n]`` float32 block (``n`` from :func:`chunk_tokens`) plus
+``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW accumulator. The block is allocated once per call and reused by every chunk (:class:`_Block`):
 a fresh multi-MiB allocation per chunk costs page faults on every first touch, measured at
 ~20% of the logits GEMM at ``n = 128``.
 
@@ -209,7 +208,10 @@ class _GradAccumulator:
             first, self._dw_written = not self._dw_written, True
             if low:
                 part = torch.mm(dzc, hidden_chunk)
-                self.dw.copy_(part) if first else self.dw.add_(part)
+                if first:
+                    self.dw.copy_(part)
+                else:
+                    self.dw.add_(part)
             elif first:
                 torch.mm(dzc, hidden_chunk, out=self.dw)
             else:
