@@ -39,11 +39,16 @@ def _check_shift(shift: Union[bool, int]) -> int:
     return shift
 
 
+def _finite(x: float) -> bool:
+    """``math.isfinite`` that torch.compile can trace when ``x`` is a symbolic float (dynamic=True)."""
+    return abs(x) < math.inf
+
+
 def _check_softcap(softcap: Optional[float]) -> Optional[float]:
     if softcap is None:
         return None
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap > 0 \
-            or not math.isfinite(softcap):
+            or not _finite(softcap):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     return float(softcap)
 
@@ -119,7 +124,7 @@ class CrossEntropyOptions(_CommonOptions):
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
-        if not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0.0 or not math.isfinite(self.z_loss):
+        if not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0.0 or not _finite(self.z_loss):
             raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
 
 
@@ -138,5 +143,5 @@ class LogprobOptions(_CommonOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not math.isfinite(t):
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not _finite(t):
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")

@@ -102,6 +102,33 @@ def test_custom_ops_in_graph_and_shard_refused():
         g(h, w, t)
 
 
+def test_dynamic_compile_with_options_as_arguments():
+    """torch.compile(dynamic=True) may pass float options (label smoothing, z-loss, softcap,
+    temperature) as symbolic floats: validating them must trace (it once called math.isfinite,
+    which Dynamo cannot), and every value must give the eager numbers."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(6, 8, generator=g)
+    w = torch.randn(11, 8, generator=g)
+    t = torch.tensor([1, 2, -100, 10, 0, 3])
+
+    def loss(h, w, t, ls, zl, cap, temp):
+        ce = cce_dist.linear_cross_entropy(h, w, t, label_smoothing=ls, z_loss=zl, softcap=cap, impl="torch")
+        lp, ent = cce_dist.linear_logprobs(h, w, t, temperature=temp, return_entropy=True, impl="torch")
+        return ce - lp.sum() + ent.mean()
+
+    f = torch.compile(loss, backend="aot_eager", dynamic=True, fullgraph=True)
+    for opts in ((0.1, 1e-3, 3.0, 0.7), (0.2, 0.0, 5.0, 1.3)):
+        grads = []
+        for fn in (f, loss):
+            h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+            out = fn(h1, w1, t, *opts)
+            out.backward()
+            grads.append((out.detach(), h1.grad, w1.grad))
+        for got, ref in zip(*grads):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def _op_args():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 8, generator=g, requires_grad=True)
