@@ -193,6 +193,26 @@ def _grads_fused_kernel(
 
 
 @triton.jit
+def _add_product_rows(
+    A, X, offs_x, x_ok, stride_xr, stride_xc, Out, offs_o, o_ok, stride_or, D,
+    DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_D_OUT: tl.constexpr,
+):
+    """``Out[offs_o, :D] += A @ X[offs_x, :D]`` by load-add-store, ``BLOCK_D_OUT`` columns at a
+    time (the deterministic kernels' update of the output rows they own). ``A``: the tile's
+    gradient in the operand dtype; rows of ``X`` outside ``x_ok`` read as 0; rows of ``Out``
+    (fp32, unit column stride) outside ``o_ok`` are neither read nor written."""
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    for d0 in range(0, D, BLOCK_D_OUT):
+        d_ok = offs_do < D - d0
+        x = tl.load(X + offs_x[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+                    mask=x_ok[:, None] & d_ok[None, :], other=0.0)
+        ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
+        msk = o_ok[:, None] & d_ok[None, :]
+        acc = tl.load(ptrs, mask=msk, other=0.0)
+        tl.store(ptrs, mma(A, x, acc, DOT_PRECISION, INTERP_BF16), mask=msk)
+
+
+@triton.jit
 def _grads_dh_kernel(
     H, W, Bias, Targets, LSE, Coef, DH,
     N, V, D, vocab_start, softcap, temperature, filter_eps,
@@ -212,7 +232,6 @@ def _grads_dh_kernel(
     pid = tl.program_id(0)
     offs_n = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_ok = offs_n < N
-    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
@@ -224,15 +243,8 @@ def _grads_dh_kernel(
             USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
         if keep:
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-            for d0 in range(0, D, BLOCK_D_OUT):
-                d_ok = offs_do < D - d0
-                w = tl.load(W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
-                            mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                ptrs = DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :]
-                msk = row_ok[:, None] & d_ok[None, :]
-                acc = tl.load(ptrs, mask=msk, other=0.0)
-                acc = mma(dzc, w, acc, DOT_PRECISION, INTERP_BF16)
-                tl.store(ptrs, acc, mask=msk)
+            _add_product_rows(dzc, W, offs_v, col_ok, stride_wv, stride_wd, DH, offs_n, row_ok, stride_dhn, D,
+                              DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
 
 
 @triton.jit
@@ -257,7 +269,6 @@ def _grads_dw_kernel(
     pid = tl.program_id(0)
     offs_v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
-    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -273,15 +284,8 @@ def _grads_dw_kernel(
                 db += tl.sum(dz, axis=0)
             if NEED_DW:
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
-                for d0 in range(0, D, BLOCK_D_OUT):
-                    d_ok = offs_do < D - d0
-                    h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
-                                mask=active[:, None] & d_ok[None, :], other=0.0)
-                    ptrs = DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :]
-                    msk = col_ok[:, None] & d_ok[None, :]
-                    acc = tl.load(ptrs, mask=msk, other=0.0)
-                    acc = mma(dzt, h, acc, DOT_PRECISION, INTERP_BF16)
-                    tl.store(ptrs, acc, mask=msk)
+                _add_product_rows(dzt, H, offs_n, active, stride_hn, stride_hd, DW, offs_v, col_ok, stride_dwv, D,
+                                  DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
