@@ -433,6 +433,18 @@ def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     return jp, mp
 
 
+def save_results(name: str, payload: dict, render: Callable[[dict], str],
+                 plot: Callable[[dict, Path], None]) -> str:
+    """Write ``results/<name>.json`` first (the data survives a rendering error), then the plot
+    ``<name>.png`` and the markdown ``<name>.md``; print and return the markdown."""
+    write_results(name, payload, "(rendering)")
+    md = render(payload)
+    plot(payload, RESULTS / f"{name}.png")
+    write_results(name, payload, md)
+    print(md)
+    return md
+
+
 def logger(prefix: str) -> Callable[[str], None]:
     t0 = time.perf_counter()
 

@@ -352,13 +352,7 @@ def save_partial(payload: dict, env: dict, started: float) -> None:
 
 
 def finish(payload: dict) -> None:
-    C.write_results("cpu_single", payload, "(rendering)")  # the data first, whatever happens next
-    md = render_markdown(payload)
-    png = C.RESULTS / "cpu_single.png"
-    C.RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(payload, png)
-    C.write_results("cpu_single", payload, md)
-    print(md)
+    C.save_results("cpu_single", payload, render_markdown, plot)
     print(f"done; wrote {C.RESULTS}/cpu_single.{{json,md,png}}")
 
 

@@ -214,9 +214,7 @@ def main() -> None:
     if args.render_only:
         payload = json.loads((C.RESULTS / "tp_collectives.json").read_text())
         payload["verdict"] = verdict(payload)
-        C.write_results("tp_collectives", payload, render(payload))
-        plot(payload, C.RESULTS / "tp_collectives.png")
-        print(render(payload))
+        C.save_results("tp_collectives", payload, render, plot)
         return
     started = time.perf_counter()
     log = C.logger("tp_collectives")
@@ -236,11 +234,7 @@ def main() -> None:
                "fwd_shape": cfg["fwd_shape"], "by_tp": by_tp, "auto_allgather_max_rows_x_ranks": AUTO_ALLGATHER_MAX_ROWS_X_RANKS}
     payload["verdict"] = verdict(payload)
     C.close_env(env, started)
-    md = render(payload)
-    C.RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(payload, C.RESULTS / "tp_collectives.png")
-    C.write_results("tp_collectives", payload, md)
-    print(md)
+    C.save_results("tp_collectives", payload, render, plot)
 
 
 if __name__ == "__main__":

@@ -320,12 +320,7 @@ def main() -> None:
 
 
 def finish(payload: dict) -> None:
-    C.write_results("tp_megatron", payload, "(rendering)")  # the data first, whatever happens next
-    md = render(payload)
-    C.RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(payload, C.RESULTS / "tp_megatron.png")
-    C.write_results("tp_megatron", payload, md)
-    print(md)
+    C.save_results("tp_megatron", payload, render, plot)
 
 
 if __name__ == "__main__":
