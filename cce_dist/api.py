@@ -125,6 +125,11 @@ def _resolve_backend(impl: str, device: torch.device):
     return kernels
 
 
+def _deterministic(requested: bool) -> bool:
+    """The triton backward avoids float atomics when asked, or under torch.use_deterministic_algorithms."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()
+
+
 def _filter_eps(opts: _CommonOptions, dtype: torch.dtype) -> Optional[float]:
     if opts.filter_eps == "auto":
         # The CCE paper's choice for bf16 (2**-12), scaled to each dtype's resolution.
@@ -186,8 +191,8 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
     if backend is torch_impl:
         kw = {"row_stats": {"chunk_size": opts.chunk_size}, "grads": {"chunk_size": opts.chunk_size}}
     else:
-        deterministic = opts.deterministic or torch.are_deterministic_algorithms_enabled()
-        kw = {"grads": {"filter_eps": _filter_eps(opts, compute_dtype), "deterministic": deterministic}}
+        kw = {"grads": {"filter_eps": _filter_eps(opts, compute_dtype),
+                        "deterministic": _deterministic(opts.deterministic)}}
     d = hidden.shape[-1]
     plan = Plan(
         backend=backend, compute_dtype=compute_dtype, vocab_start=0 if shard is None else shard.start,

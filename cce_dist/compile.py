@@ -51,12 +51,12 @@ def _backend(impl: str, device: torch.device):
 
 def _kwargs(backend, chunk_size: Optional[int], need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
     from . import torch_impl
+    from .api import _deterministic
 
     if backend is torch_impl:
         return ({"chunk_size": chunk_size, "need_entropy": need_entropy}, {"chunk_size": chunk_size})
-    # read at run time: torch.use_deterministic_algorithms selects the atomic-free backward (as in eager)
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    return ({}, {"filter_eps": filter_eps, "deterministic": deterministic})
+    # read when the op runs, as eager reads it when the loss is called
+    return ({}, {"filter_eps": filter_eps, "deterministic": _deterministic(deterministic)})
 
 
 def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
@@ -109,8 +109,8 @@ def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, tem
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())
 def _ce_rows(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], impl: str, chunk_size: Optional[int],
-    filter_eps: Optional[float], deterministic: bool,
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], impl: str,
+    chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
@@ -161,17 +161,26 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
 
 
+def _grad_needs(ctx, bias) -> tuple[bool, bool, bool]:
+    """Whether hidden, weight and bias (when there is one) need a gradient."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    return bool(need_h), bool(need_w), bool(need_b and bias is not None)
+
+
+def _input_grads(ctx, needs, dh, dw, db) -> tuple:
+    """The op's input gradients: hidden, weight, bias where needed, None for targets and options."""
+    grads = tuple(g if need else None for g, need in zip((dh, dw, db), needs))
+    return grads + (None,) * (1 + len(ctx.args))
+
+
 def _ce_backward(ctx, g_loss, g_lse):
     hidden, weight, bias, targets, lse = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    needs = _grad_needs(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
-    dh, dw, db = torch.ops.cce_dist.ce_rows_backward(
-        hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args,
-        bool(need_h), bool(need_w), bool(need_b and bias is not None),
-    )
-    return (dh if need_h else None, dw if need_w else None, db if (need_b and bias is not None) else None,
-            None, None, None, None, None, None, None, None, None, None)
+    dh, dw, db = torch.ops.cce_dist.ce_rows_backward(hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args,
+                                                     *needs)
+    return _input_grads(ctx, needs, dh, dw, db)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,14 +238,13 @@ def _lp_setup_context(ctx, inputs, output):
 
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
     hidden, weight, bias, targets, stats = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    needs = _grad_needs(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
     dh, dw, db = torch.ops.cce_dist.logprob_rows_backward(
         hidden, weight, bias, targets, stats, zeros if g_lp is None else g_lp, zeros if g_ent is None else g_ent,
-        *ctx.args, bool(need_h), bool(need_w), bool(need_b and bias is not None),
+        *ctx.args, *needs,
     )
-    return (dh if need_h else None, dw if need_w else None, db if (need_b and bias is not None) else None,
-            None, None, None, None, None, None, None, None, None, None)
+    return _input_grads(ctx, needs, dh, dw, db)
 
 
 _ce_rows.register_autograd(_ce_backward, setup_context=_ce_setup_context)
