@@ -228,6 +228,7 @@ def _finish_dz(
     z: Optional[torch.Tensor],
     th: Optional[torch.Tensor],
     coef: torch.Tensor,
+    inactive: torch.Tensor,
     targets: torch.Tensor,
     vocab_start: int,
     temperature: float,
@@ -239,12 +240,12 @@ def _finish_dz(
     ``p_scale [n]`` (optional, no entropy term): ``dz`` holds ``p / p_scale``, rescaled in the
     same pass as the ``alpha`` multiply.
 
-    Rows whose coefficients are all zero (ignored targets, zero upstream gradient) get an exactly
-    zero gradient even when their logits are not finite (p * 0 would be NaN there); the caller
-    must also keep their hidden rows out of dW (:func:`_inactive_rows_zeroed`).
+    Rows whose coefficients are all zero (``inactive``, from :func:`_inactive_rows`: ignored
+    targets, zero upstream gradient) get an exactly zero gradient even when their logits are not
+    finite (p * 0 would be NaN there); the caller must also keep their hidden rows out of dW
+    (:func:`_inactive_rows_zeroed`).
     """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
-    inactive = torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
     if z is not None:  # entropy term: p * (alpha + delta * (z - lse)); p == 0 gives 0, not 0 * inf
         assert p_scale is None
         dz.mul_(torch.addcmul(alpha, delta, z).masked_fill_(dz == 0, 0.0))
@@ -263,10 +264,14 @@ def _finish_dz(
     return dz
 
 
-def _inactive_rows_zeroed(hidden_chunk: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """The chunk's hidden rows, with rows of all-zero coefficients zeroed (a copy, only if any):
-    a non-finite hidden row of an ignored token must not reach dW through 0 * inf."""
-    inactive = torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
+def _inactive_rows(coef: torch.Tensor) -> torch.Tensor:
+    """Indices of the chunk's rows whose coefficients are all zero."""
+    return torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
+
+
+def _inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> torch.Tensor:
+    """The chunk's hidden rows, with the ``inactive`` rows zeroed (a copy, only if any): a
+    non-finite hidden row of an ignored token must not reach dW through 0 * inf."""
     return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
 
 
@@ -315,8 +320,9 @@ def _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_sta
     z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
     z.sub_(lse[sl])  # log p
     p = torch.exp(z) if need_z else z.exp_()
-    dz = _finish_dz(p, z if need_z else None, th, c, targets[sl], vocab_start, temperature)
-    acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
+    inactive = _inactive_rows(c)
+    dz = _finish_dz(p, z if need_z else None, th, c, inactive, targets[sl], vocab_start, temperature)
+    acc.add(dz, _inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
 
 def fused_cross_entropy(
@@ -370,5 +376,7 @@ def _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, ro
         return
     # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse): the factor joins alpha's pass
     c = coef_fn(lse[sl], valid[sl]) * row_grad
-    dz = _finish_dz(z, None, th, c, targets[sl], vocab_start, 1.0, p_scale=torch.exp(local[:, S.MAX] - lse[sl]))
-    acc.add(dz, _inactive_rows_zeroed(hidden[sl], c), weight, sl)
+    inactive = _inactive_rows(c)
+    dz = _finish_dz(z, None, th, c, inactive, targets[sl], vocab_start, 1.0,
+                    p_scale=torch.exp(local[:, S.MAX] - lse[sl]))
+    acc.add(dz, _inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
