@@ -161,7 +161,7 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
 
 
-def _grad_needs(ctx, bias) -> tuple[bool, bool, bool]:
+def _needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     """Whether hidden, weight and bias (when there is one) need a gradient."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     return bool(need_h), bool(need_w), bool(need_b and bias is not None)
@@ -175,7 +175,7 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
 
 def _ce_backward(ctx, g_loss, g_lse):
     hidden, weight, bias, targets, lse = ctx.saved_tensors
-    needs = _grad_needs(ctx, bias)
+    needs = _needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
     dh, dw, db = torch.ops.cce_dist.ce_rows_backward(hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args,
@@ -238,7 +238,7 @@ def _lp_setup_context(ctx, inputs, output):
 
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
     hidden, weight, bias, targets, stats = ctx.saved_tensors
-    needs = _grad_needs(ctx, bias)
+    needs = _needed_input_grads(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
     dh, dw, db = torch.ops.cce_dist.logprob_rows_backward(
         hidden, weight, bias, targets, stats, zeros if g_lp is None else g_lp, zeros if g_ent is None else g_ent,
