@@ -68,8 +68,12 @@ def _fresh_venv(path: Path) -> Path:
     venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=os.name != "nt").create(path)
     python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     if sys.prefix != sys.base_prefix:
-        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        purelib = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         # Appended after the venv's own site-packages, so the installed cce_dist wins.
         Path(purelib, "outer_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return python
