@@ -12,13 +12,15 @@ import gc
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -62,10 +64,16 @@ def _ram_gib() -> float:
 def git_commit() -> str:
     """``git rev-parse --short HEAD`` plus ``-dirty`` when the tree has uncommitted changes."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -127,8 +135,9 @@ def time_once(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
-                     log: Optional[Callable[[str], None]] = None) -> dict[str, dict]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, log: Callable[[str], None] | None = None
+) -> dict[str, dict]:
     """Time several variants round-robin (warm-up first), so load changes hit all of them alike.
 
     Returns ``{name: {"wall_s": [...], "cpu_s": [...], "median_s": .., "median_cpu_s": ..}}``.
@@ -146,7 +155,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: in
             out[k]["cpu_s"].append(round(c, 4))
             if log:
                 log(f"  rep {r} {k}: {w:.2f}s wall, {c:.2f}s cpu")
-    for k, d in out.items():
+    for d in out.values():
         d["median_s"] = statistics.median(d["wall_s"]) if d["wall_s"] else float("nan")
         d["median_cpu_s"] = statistics.median(d["cpu_s"]) if d["cpu_s"] else float("nan")
         d["min_s"] = min(d["wall_s"]) if d["wall_s"] else float("nan")
@@ -216,7 +225,7 @@ def malloc_trim() -> bool:
         return False
 
 
-def steady_growth(step: Callable[[], Any], clear: Optional[Callable[[], None]] = None) -> dict:
+def steady_growth(step: Callable[[], Any], clear: Callable[[], None] | None = None) -> dict:
     """Peak RSS growth of one more step above the (trimmed) RSS after earlier steps ran."""
     if clear is not None:
         clear()
@@ -229,7 +238,7 @@ def steady_growth(step: Callable[[], Any], clear: Optional[Callable[[], None]] =
     return {"steady_rss_base_bytes": base, "steady_growth_bytes": hwm_bytes() - base}
 
 
-def peak_growth(step: Callable[[], Any], *, steps: int = 2, clear: Optional[Callable[[], None]] = None) -> dict:
+def peak_growth(step: Callable[[], Any], *, steps: int = 2, clear: Callable[[], None] | None = None) -> dict:
     """Peak RSS growth of ``steps`` calls of ``step`` (one warm-up + one measured by default)
     above the RSS right now (call it after the inputs are allocated, in a fresh process).
 
@@ -258,9 +267,13 @@ def peak_growth(step: Callable[[], Any], *, steps: int = 2, clear: Optional[Call
     }
 
 
-def run_child(script: Path, spec: dict, *, timeout: float = 1800, env: Optional[dict] = None) -> dict:
-    """Run ``python script --child '<json spec>'`` in a fresh process; parse its last JSON line."""
-    cmd = [sys.executable, str(script), "--child", json.dumps(spec)]
+def run_child(module: str | Path, spec: dict, *, timeout: float = 1800, env: dict | None = None) -> dict:
+    """Run ``python -m <module> --child '<json spec>'`` in a fresh process from the repository root;
+    parse its last JSON line. ``module``: a benchmark's module name (``"benchmarks.cpu_single"``) or
+    its file under benchmarks/ (``Path(__file__)``)."""
+    if isinstance(module, Path):
+        module = f"benchmarks.{module.stem}"
+    cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
     e = dict(os.environ)
     e.setdefault("PYTHONWARNINGS", "ignore")
     if env:
@@ -278,13 +291,32 @@ def child_print(result: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
+def free_port() -> int:
+    """A free TCP port on localhost, for a spawned group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ----------------------------------------------------------------------------------------------
 # collective counting
 # ----------------------------------------------------------------------------------------------
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce",
-                "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 
 
 def _nbytes(x) -> int:
@@ -323,15 +355,26 @@ class CollectiveCounter:
                 if name in ("all_reduce", "broadcast", "reduce"):
                     inb = outb = _nbytes(a[0] if a else kwargs.get("tensor"))
                 elif name in ("all_gather",):
-                    outb, inb = _nbytes(a[0] if a else kwargs.get("tensor_list")), _nbytes(
-                        a[1] if len(a) > 1 else kwargs.get("tensor"))
-                elif name in ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-                              "_reduce_scatter_base", "all_to_all_single"):
-                    outb, inb = _nbytes(a[0] if a else kwargs.get("output_tensor", kwargs.get("output"))), _nbytes(
-                        a[1] if len(a) > 1 else kwargs.get("input_tensor", kwargs.get("input")))
+                    outb, inb = (
+                        _nbytes(a[0] if a else kwargs.get("tensor_list")),
+                        _nbytes(a[1] if len(a) > 1 else kwargs.get("tensor")),
+                    )
+                elif name in (
+                    "all_gather_into_tensor",
+                    "_all_gather_base",
+                    "reduce_scatter_tensor",
+                    "_reduce_scatter_base",
+                    "all_to_all_single",
+                ):
+                    outb, inb = (
+                        _nbytes(a[0] if a else kwargs.get("output_tensor", kwargs.get("output"))),
+                        _nbytes(a[1] if len(a) > 1 else kwargs.get("input_tensor", kwargs.get("input"))),
+                    )
                 elif name == "reduce_scatter":
-                    outb, inb = _nbytes(a[0] if a else kwargs.get("output")), _nbytes(
-                        a[1] if len(a) > 1 else kwargs.get("input_list"))
+                    outb, inb = (
+                        _nbytes(a[0] if a else kwargs.get("output")),
+                        _nbytes(a[1] if len(a) > 1 else kwargs.get("input_list")),
+                    )
                 else:
                     inb = outb = _nbytes(a[:2])
                 counter.calls.append({"op": name, "in_bytes": inb, "out_bytes": outb})
@@ -340,7 +383,7 @@ class CollectiveCounter:
         wrapper.__wrapped__ = fn
         return wrapper
 
-    def install(self) -> "CollectiveCounter":
+    def install(self) -> CollectiveCounter:
         originals = {n: getattr(self.dist, n) for n in _COLLECTIVES if hasattr(self.dist, n)}
         wrapped = {n: self._wrap(n, f) for n, f in originals.items()}
         for mod in self.modules:
@@ -433,8 +476,7 @@ def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     return jp, mp
 
 
-def save_results(name: str, payload: dict, render: Callable[[dict], str],
-                 plot: Callable[[dict, Path], None]) -> str:
+def save_results(name: str, payload: dict, render: Callable[[dict], str], plot: Callable[[dict, Path], None]) -> str:
     """Write ``results/<name>.json`` first (the data survives a rendering error), then the plot
     ``<name>.png`` and the markdown ``<name>.md``; print and return the markdown."""
     write_results(name, payload, "(rendering)")

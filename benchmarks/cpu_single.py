@@ -1,4 +1,4 @@
-"""Issue 2: is cce_dist's CPU path (impl='torch') as fast as the materialized loss, with ~10x
+"""Is cce_dist's CPU path (impl='torch') as fast as the materialized loss, with ~10x
 less memory, and faster than PyTorch's own chunked ``F.linear_cross_entropy``?
 
 One device, forward + backward (grads for hidden and weight), side by side in one run:
@@ -17,7 +17,8 @@ also minus the gradient bytes (the unavoidable output).
 Also: scaling in V (32768, 262144 fp32), bf16 (at a reduced shape: this CPU has no native bf16
 GEMM, see the results), and a sweep of cce_dist's ``chunk_size`` around its default.
 
-Usage: ``python benchmarks/cpu_single.py [--quick]``  (results: benchmarks/results/cpu_single.*)
+Usage, from the repository root: ``python -m benchmarks.cpu_single [--quick]``
+(results: benchmarks/results/cpu_single.*)
 """
 
 from __future__ import annotations
@@ -28,12 +29,25 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import common as C  # noqa: E402
+from benchmarks.common import (
+    RESULTS,
+    child_print,
+    close_env,
+    env_info,
+    env_markdown,
+    logger,
+    md_table,
+    mib,
+    peak_growth,
+    rss_bytes,
+    run_child,
+    save_results,
+    steady_growth,
+    time_interleaved,
+)
 
 THREADS = 2
 N, D, V = 2048, 512, 65536
@@ -61,9 +75,11 @@ def make_step(variant: str, opts: dict, h, w, t):
     import cce_dist
 
     if variant == "materialized":
+
         def loss():
             return F.cross_entropy(F.linear(h, w), t)
     elif variant == "cce":
+
         def loss():
             return cce_dist.linear_cross_entropy(h, w, t, impl="torch", **opts)
     elif variant == "torch_chunked":
@@ -93,26 +109,28 @@ def child_main(spec: dict) -> None:
     # One call at a tiny shape first: one-time costs (lazy imports -- cce_dist's first call imports
     # torch.distributed.tensor (+sympy), PyTorch's chunked path its own modules -- ~50-150 MiB of
     # RSS) are not per-step memory. They are reported separately as "first_call_bytes".
-    r0 = C.rss_bytes()
+    r0 = rss_bytes()
     tiny = make_inputs(8, spec["D"], 64, dtype, seed=1)
     make_step(spec["variant"], {k: v for k, v in spec["opts"].items() if k != "batch_chunk_size"}, *tiny)()
     del tiny
-    first_call = C.rss_bytes() - r0
+    first_call = rss_bytes() - r0
     h, w, t = make_inputs(spec["N"], spec["D"], spec["V"], dtype)
     step = make_step(spec["variant"], spec["opts"], h, w, t)
-    res = C.peak_growth(step, steps=2)
+    res = peak_growth(step, steps=2)
     res["first_call_bytes"] = first_call
-    res.update(C.steady_growth(step))
+    res.update(steady_growth(step))
     res["grad_bytes"] = h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size()
     res["input_bytes"] = sum(x.numel() * x.element_size() for x in (h, w, t))
-    C.child_print(res)
+    child_print(res)
 
 
 def measure_memory(variant: str, opts: dict, n: int, d: int, v: int, dtype: str, log) -> dict:
     spec = {"variant": variant, "opts": opts, "N": n, "D": d, "V": v, "dtype": dtype}
-    r = C.run_child(Path(__file__), spec)
-    log(f"  memory {variant} {opts}: growth {C.mib(r['growth_bytes'])} MiB "
-        f"(minus grads {C.mib(r['growth_bytes'] - r['grad_bytes'])} MiB)")
+    r = run_child("benchmarks.cpu_single", spec)
+    log(
+        f"  memory {variant} {opts}: growth {mib(r['growth_bytes'])} MiB "
+        f"(minus grads {mib(r['growth_bytes'] - r['grad_bytes'])} MiB)"
+    )
     return r
 
 
@@ -121,14 +139,13 @@ def measure_memory(variant: str, opts: dict, n: int, d: int, v: int, dtype: str,
 # ----------------------------------------------------------------------------------------------
 
 
-def compare(variants: dict[str, tuple[str, dict]], n, d, v, dtype: str, repeats: int, log,
-            memory: bool = True) -> dict:
+def compare(variants: dict[str, tuple[str, dict]], n, d, v, dtype: str, repeats: int, log, memory: bool = True) -> dict:
     """Time ``variants`` (name -> (kind, opts)) interleaved in this process; memory in children."""
     dt = getattr(torch, dtype)
     h, w, t = make_inputs(n, d, v, dt)
     fns = {name: make_step(kind, opts, h, w, t) for name, (kind, opts) in variants.items()}
     log(f"timing N={n} D={d} V={v} {dtype}: {list(variants)}")
-    timing = C.time_interleaved(fns, repeats=repeats, warmup=1, log=log)
+    timing = time_interleaved(fns, repeats=repeats, warmup=1, log=log)
     del h, w, t, fns
     rows = {}
     for name, (kind, opts) in variants.items():
@@ -145,24 +162,42 @@ def compare(variants: dict[str, tuple[str, dict]], n, d, v, dtype: str, repeats:
                 m, bm = r["memory"], base["memory"]
                 r["mem_ratio"] = m["growth_bytes"] / bm["growth_bytes"]
                 r["mem_ratio_minus_grads"] = (m["growth_bytes"] - m["grad_bytes"]) / max(
-                    bm["growth_bytes"] - bm["grad_bytes"], 1)
+                    bm["growth_bytes"] - bm["grad_bytes"], 1
+                )
     return {"shape": {"N": n, "D": d, "V": v, "dtype": dtype}, "repeats": repeats, "rows": rows}
 
 
 def block_table(block: dict) -> str:
-    headers = ["variant", "options", "median s", "CPU s", "time / mat.", "growth MiB",
-               "growth - grads MiB", "growth / mat.", "(growth - grads) / mat.", "steady growth excl. grads MiB"]
+    headers = [
+        "variant",
+        "options",
+        "median s",
+        "CPU s",
+        "time / mat.",
+        "growth MiB",
+        "growth - grads MiB",
+        "growth / mat.",
+        "(growth - grads) / mat.",
+        "steady growth excl. grads MiB",
+    ]
     rows = []
     for name, r in block["rows"].items():
         m = r.get("memory")
-        rows.append([
-            name, json.dumps(r["opts"]) if r["opts"] else "defaults", r["median_s"], r["median_cpu_s"],
-            r.get("time_ratio"), C.mib(m["growth_bytes"]) if m else None,
-            C.mib(m["growth_bytes"] - m["grad_bytes"]) if m else None,
-            r.get("mem_ratio"), r.get("mem_ratio_minus_grads"),
-            C.mib(m["steady_growth_bytes"]) if m and m.get("steady_growth_bytes") is not None else None,
-        ])
-    return C.md_table(headers, rows)
+        rows.append(
+            [
+                name,
+                json.dumps(r["opts"]) if r["opts"] else "defaults",
+                r["median_s"],
+                r["median_cpu_s"],
+                r.get("time_ratio"),
+                mib(m["growth_bytes"]) if m else None,
+                mib(m["growth_bytes"] - m["grad_bytes"]) if m else None,
+                r.get("mem_ratio"),
+                r.get("mem_ratio_minus_grads"),
+                mib(m["steady_growth_bytes"]) if m and m.get("steady_growth_bytes") is not None else None,
+            ]
+        )
+    return md_table(headers, rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +248,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_ylabel("median s", color="C0")
         if all("memory" in rows[k] for k in ks):
             ax2 = ax.twinx()
-            ax2.plot(x, [C.mib(rows[k]["memory"]["growth_bytes"]) for k in ks], "s--", color="C1")
+            ax2.plot(x, [mib(rows[k]["memory"]["growth_bytes"]) for k in ks], "s--", color="C1")
             ax2.set_ylabel("peak growth MiB", color="C1")
         ax.set_title("cce_dist chunk_size sweep")
     fig.tight_layout()
@@ -245,7 +280,7 @@ def main() -> None:
         child_main(json.loads(args.child))
         return
     if args.render_only:
-        finish(json.loads((C.RESULTS / "cpu_single.json").read_text()))
+        finish(json.loads((RESULTS / "cpu_single.json").read_text()))
         return
     torch.set_num_threads(THREADS)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -253,10 +288,10 @@ def main() -> None:
         update_main(args, repeats)
         return
     started = time.perf_counter()
-    log = C.logger("cpu_single")
+    log = logger("cpu_single")
     skip = set(filter(None, args.skip.split(",")))
-    env = C.env_info(mode="quick" if args.quick else "full", repeats=repeats)
-    payload: dict = {"env": env, "question": "issue 2: cce_dist CPU path vs materialized and torch's chunked LCE"}
+    env = env_info(mode="quick" if args.quick else "full", repeats=repeats)
+    payload: dict = {"env": env, "question": "cce_dist CPU path vs materialized and torch's chunked LCE"}
 
     # 1. PyTorch's chunked path: find its best batch_chunk_size at the main shape.
     sweep = TORCH_SWEEP if not args.quick else [128, 512]
@@ -297,18 +332,20 @@ def main() -> None:
     # 5. bf16 (reduced shape).
     if "bf16" not in skip:
         n, d, v = BF16_SHAPE
-        bv = {"materialized": ("materialized", {}), "cce": ("cce", {}),
-              "cce_2pass": ("cce", {"grad_in_forward": False}),
-              "torch_default": ("torch_chunked", {}),
-              "torch_bcs128": ("torch_chunked", torch_opts(128))}
+        bv = {
+            "materialized": ("materialized", {}),
+            "cce": ("cce", {}),
+            "cce_2pass": ("cce", {"grad_in_forward": False}),
+            "torch_default": ("torch_chunked", {}),
+            "torch_bcs128": ("torch_chunked", torch_opts(128)),
+        }
         payload["bf16"] = compare(bv, n, d, v, "bfloat16", repeats=repeats, log=log)
         # the same shape in fp32, for the bf16/fp32 cost ratio
         fv = {"materialized": ("materialized", {}), "cce": ("cce", {})}
-        payload["bf16_fp32_reference"] = compare(fv, n, d, v, "float32", repeats=repeats, log=log,
-                                                 memory=False)
+        payload["bf16_fp32_reference"] = compare(fv, n, d, v, "float32", repeats=repeats, log=log, memory=False)
 
     payload["complete"] = True
-    C.close_env(env, started)
+    close_env(env, started)
     finish(payload)
 
 
@@ -317,26 +354,31 @@ def run_scaling(payload: dict, quick: bool, repeats: int, log) -> None:
     best_bcs = payload["torch_best_batch_chunk_size"]
     blocks = []
     for v in [32768] if quick else SCALING_V:
-        vv = {"materialized": ("materialized", {}), "cce": ("cce", {}),
-              "torch_best": ("torch_chunked", torch_opts(best_bcs))}
+        vv = {
+            "materialized": ("materialized", {}),
+            "cce": ("cce", {}),
+            "torch_best": ("torch_chunked", torch_opts(best_bcs)),
+        }
         blocks.append(compare(vv, N, D, v, "float32", repeats=repeats, log=log))
-    main_block = {"shape": payload["main"]["shape"], "rows": {k: payload["main"]["rows"][k] for k in
-                                                               ("materialized", "cce", "torch_best")}}
+    main_block = {
+        "shape": payload["main"]["shape"],
+        "rows": {k: payload["main"]["rows"][k] for k in ("materialized", "cce", "torch_best")},
+    }
     payload["scaling_fp32"] = sorted(blocks + [main_block], key=lambda b: b["shape"]["V"])
 
 
 def update_main(args, repeats: int) -> None:
     """``--update scaling``: re-measure only that section into the saved results, recording the
     re-run's own date, commit and load next to the original run's."""
-    payload = json.loads((C.RESULTS / "cpu_single.json").read_text())
+    payload = json.loads((RESULTS / "cpu_single.json").read_text())
     sections = set(filter(None, args.update.split(",")))
     if sections - {"scaling"}:
         raise SystemExit(f"--update supports: scaling (got {sorted(sections)})")
     started = time.perf_counter()
-    env = C.env_info(mode="update", sections=sorted(sections), repeats=repeats)
-    log = C.logger("cpu_single")
+    env = env_info(mode="update", sections=sorted(sections), repeats=repeats)
+    log = logger("cpu_single")
     run_scaling(payload, args.quick, repeats, log)
-    C.close_env(env, started)
+    close_env(env, started)
     payload.setdefault("updates", []).append(env)
     finish(payload)
 
@@ -344,7 +386,7 @@ def update_main(args, repeats: int) -> None:
 def save_partial(payload: dict, env: dict, started: float) -> None:
     """Write what is measured so far (a long run can be interrupted; 'complete' stays False)."""
     payload.setdefault("complete", False)
-    C.close_env(env, started)
+    close_env(env, started)
     try:
         finish(payload)
     except Exception as e:  # noqa: BLE001 - a rendering problem must not lose the data
@@ -352,51 +394,64 @@ def save_partial(payload: dict, env: dict, started: float) -> None:
 
 
 def finish(payload: dict) -> None:
-    C.save_results("cpu_single", payload, render_markdown, plot)
-    print(f"done; wrote {C.RESULTS}/cpu_single.{{json,md,png}}")
+    save_results("cpu_single", payload, render_markdown, plot)
+    print(f"done; wrote {RESULTS}/cpu_single.{{json,md,png}}")
 
 
 def targets(payload: dict) -> list[str]:
     rows = payload["main"]["rows"]
-    cce, mat, tb = rows["cce"], rows["materialized"], rows["torch_best"]
+    cce, tb = rows["cce"], rows["torch_best"]
     out = []
 
     def verdict(ok):
         return "**met**" if ok else "**missed**"
 
     tr = cce["time_ratio"]
-    out.append(f"- time cce / materialized = {tr:.2f} (target <= 1.0): {verdict(tr <= 1.0)}"
-               f" (process CPU-time ratio {cce['cpu_time_ratio']:.2f})")
+    out.append(
+        f"- time cce / materialized = {tr:.2f} (target <= 1.0): {verdict(tr <= 1.0)}"
+        f" (process CPU-time ratio {cce['cpu_time_ratio']:.2f})"
+    )
     mr, mg = cce["mem_ratio"], cce["mem_ratio_minus_grads"]
-    out.append(f"- peak growth cce / materialized = {mr:.3f} incl. gradients, {mg:.3f} excl. gradients "
-               f"(target <= 0.10): {verdict(mr <= 0.10)} incl. / {verdict(mg <= 0.10)} excl.")
+    out.append(
+        f"- peak growth cce / materialized = {mr:.3f} incl. gradients, {mg:.3f} excl. gradients "
+        f"(target <= 0.10): {verdict(mr <= 0.10)} incl. / {verdict(mg <= 0.10)} excl."
+    )
     faster = cce["median_s"] < tb["median_s"]
     lessmem = cce["memory"]["growth_bytes"] <= tb["memory"]["growth_bytes"]
-    out.append(f"- vs torch's best setting (batch_chunk_size={payload['torch_best_batch_chunk_size']}): "
-               f"time {cce['median_s'] / tb['median_s']:.2f}x, growth "
-               f"{cce['memory']['growth_bytes'] / tb['memory']['growth_bytes']:.2f}x: faster {verdict(faster)}, "
-               f"no more memory {verdict(lessmem)}")
+    out.append(
+        f"- vs torch's best setting (batch_chunk_size={payload['torch_best_batch_chunk_size']}): "
+        f"time {cce['median_s'] / tb['median_s']:.2f}x, growth "
+        f"{cce['memory']['growth_bytes'] / tb['memory']['growth_bytes']:.2f}x: faster {verdict(faster)}, "
+        f"no more memory {verdict(lessmem)}"
+    )
     return out
 
 
 def render_markdown(p: dict) -> str:
-    s = ["# cpu_single — issue 2: single-device CPU loss + grads", "", C.env_markdown(p["env"]), ""]
+    s = ["# cpu_single — single-device CPU loss + grads", "", env_markdown(p["env"]), ""]
     for u in p.get("updates", []):
-        s += [f"Re-measured later with `--update {','.join(u['sections'])}` (that section only):", "",
-              C.env_markdown(u), ""]
+        s += [
+            f"Re-measured later with `--update {','.join(u['sections'])}` (that section only):",
+            "",
+            env_markdown(u),
+            "",
+        ]
     if not p.get("complete", True):
         s += ["**Partial run**: the sections below are those measured before the run stopped.", ""]
-    s += ["Forward + backward (grads for hidden and weight), median of interleaved repeats after a "
-          "warm-up; memory = peak RSS growth above the inputs in a fresh process per variant "
-          "(VmHWM reset after the inputs, one warm-up + one measured step; a tiny call of the same variant "
-          "ran before the inputs so one-time lazy imports are excluded). 'steady growth excl. grads' = peak of one "
-          "more step above the RSS after those (malloc_trim; the previous step's grads are held until the step drops them, so this excludes the gradient bytes). 'grads' = bytes of "
-          "hidden.grad + weight.grad, the unavoidable output.", ""]
+    s += [
+        "Forward + backward (grads for hidden and weight), median of interleaved repeats after a "
+        "warm-up; memory = peak RSS growth above the inputs in a fresh process per variant "
+        "(VmHWM reset after the inputs, one warm-up + one measured step; a tiny call of the same variant "
+        "ran before the inputs so one-time lazy imports are excluded). 'steady growth excl. grads' = peak of one "
+        "more step above the RSS after those (malloc_trim; the previous step's grads are held until the step "
+        "drops them, so this excludes the gradient bytes). 'grads' = bytes of "
+        "hidden.grad + weight.grad, the unavoidable output.",
+        "",
+    ]
     sh = p["main"]["shape"]
     s += [f"## Main: N={sh['N']} D={sh['D']} V={sh['V']} {sh['dtype']}", "", block_table(p["main"]), ""]
     s += ["### Targets", ""] + targets(p) + [""]
-    s += ["## PyTorch chunked path: batch_chunk_size sweep (1 timed run each)", "",
-          block_table(p["torch_sweep"]), ""]
+    s += ["## PyTorch chunked path: batch_chunk_size sweep (1 timed run each)", "", block_table(p["torch_sweep"]), ""]
     if "chunk_sweep" in p:
         default = p.get("cce_default_chunk_size", "unrecorded")
         s += [f"## cce_dist chunk_size sweep (default {default})", "", block_table(p["chunk_sweep"]), ""]
@@ -407,9 +462,16 @@ def render_markdown(p: dict) -> str:
         s += [f"## Scaling: V={sh['V']} fp32 (N={sh['N']} D={sh['D']})", "", block_table(b), ""]
     if "bf16" in p:
         sh = p["bf16"]["shape"]
-        s += [f"## bf16 at N={sh['N']} D={sh['D']} V={sh['V']} (reduced: this CPU has no native bf16 GEMM)", "",
-              block_table(p["bf16"]), "", "Same shape in fp32 (time only):", "",
-              block_table(p["bf16_fp32_reference"]), ""]
+        s += [
+            f"## bf16 at N={sh['N']} D={sh['D']} V={sh['V']} (reduced: this CPU has no native bf16 GEMM)",
+            "",
+            block_table(p["bf16"]),
+            "",
+            "Same shape in fp32 (time only):",
+            "",
+            block_table(p["bf16_fp32_reference"]),
+            "",
+        ]
     return "\n".join(s)
 
 

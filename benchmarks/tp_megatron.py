@@ -1,4 +1,4 @@
-"""Issue 3: is cce_dist's vocab-parallel loss at least as fast as Megatron-core's, with <= 15%
+"""Is cce_dist's vocab-parallel loss at least as fast as Megatron-core's, with <= 15%
 of its peak memory, and how many collectives / bytes does each move per step?
 
 TP=2 on gloo (two spawned processes, ``torch.set_num_threads(1)`` each), N=4096, D=512,
@@ -16,7 +16,8 @@ Memory: peak RSS growth per rank above the inputs, in a fresh pair of processes 
 Collectives: count and bytes per step per rank, from shims around torch.distributed's
 collectives installed in the benchmark processes.
 
-Usage: ``python benchmarks/tp_megatron.py [--quick]``  (results: benchmarks/results/tp_megatron.*)
+Usage, from the repository root: ``python -m benchmarks.tp_megatron [--quick]``
+(results: benchmarks/results/tp_megatron.*)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,13 +32,26 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import common as C  # noqa: E402
+from benchmarks.common import (
+    RESULTS,
+    CollectiveCounter,
+    close_env,
+    env_info,
+    env_markdown,
+    free_port,
+    logger,
+    malloc_trim,
+    md_table,
+    mib,
+    peak_growth,
+    rss_bytes,
+    save_results,
+    steady_growth,
+)
 
 TP = 2
 N, D, V = 4096, 512, 65536
@@ -47,12 +60,6 @@ VARIANTS = {
     "cce": ("cce", {}),
     "cce_2pass": ("cce", {"grad_in_forward": False}),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_inputs(rank: int, world: int, n: int, d: int, v: int, seed: int = 0):
@@ -149,7 +156,7 @@ def timing_worker(rank, world, port, cfg, outdir):
             if rank == 0:
                 print(f"[tp_megatron] {name}: {res[name]['wall_s'][-1]:.2f}s", file=sys.stderr, flush=True)
     # one more step of each with the collective shims installed (not timed)
-    counter = C.CollectiveCounter().install()
+    counter = CollectiveCounter().install()
     for name in steps:
         with counter.counting():
             steps[name]()
@@ -157,7 +164,7 @@ def timing_worker(rank, world, port, cfg, outdir):
         res[name]["collectives"] = s
         res[name]["loss"] = steps[name].out["loss"]
     counter.uninstall()
-    for name, r in res.items():
+    for r in res.values():
         r["median_s"] = statistics.median(r["wall_s"])
     (Path(outdir) / f"timing_rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
@@ -169,23 +176,23 @@ def memory_worker(rank, world, port, cfg, outdir):
     group = setup(rank, world, port, megatron=(kind == "megatron"))
     n, d, v = cfg["N"], cfg["D"], cfg["V"]
     # one tiny call first so one-time lazy imports/initialisation are not counted as step memory
-    r0 = C.rss_bytes()
+    r0 = rss_bytes()
     tiny = make_inputs(rank, world, 16, d, 64 * world, seed=3)
     make_step(kind, opts, *tiny, 64 * world, group)()
     del tiny
-    first_call = C.rss_bytes() - r0
+    first_call = rss_bytes() - r0
     h, w, t = make_inputs(rank, world, n, d, v)
-    C.malloc_trim()
+    malloc_trim()
     step = make_step(kind, opts, h, w, t, v, group)
 
     def synced():
         dist.barrier()
         step()
 
-    res = C.peak_growth(synced, steps=2)
+    res = peak_growth(synced, steps=2)
     res["first_call_bytes"] = first_call
     res["grad_bytes"] = (h.grad.numel() + w.grad.numel()) * 4
-    res.update(C.steady_growth(synced))
+    res.update(steady_growth(synced))
     (Path(outdir) / f"mem_{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -209,41 +216,75 @@ def render(p: dict) -> str:
     sh = p["shape"]
     rows = p["rows"]
     meg = rows["megatron"]
-    s = [f"# tp_megatron — issue 3: cce_dist vs Megatron-core, TP={sh['TP']} on gloo", "",
-         C.env_markdown(p["env"]), "",
-         f"N={sh['N']} D={sh['D']} V={sh['V']} (V/rank={sh['V'] // sh['TP']}) fp32, forward + backward, "
-         "1 thread per rank. Time: the slower rank per step, median of interleaved repeats after a "
-         "warm-up. Memory: peak RSS growth per rank (max over ranks) above the inputs in fresh "
-         "processes per variant (a tiny call first, so lazy imports are excluded). Collectives: per "
-         "step per rank; bytes = this rank's input / output buffers.", ""]
-    hdr = ["variant", "median s", "time / megatron", "growth MiB (max rank)", "growth - grads MiB",
-           "growth / megatron", "(growth - grads) / megatron", "steady growth excl. grads MiB", "collectives / step",
-           "bytes in / step", "bytes out / step", "loss"]
+    s = [
+        f"# tp_megatron — cce_dist vs Megatron-core, TP={sh['TP']} on gloo",
+        "",
+        env_markdown(p["env"]),
+        "",
+        f"N={sh['N']} D={sh['D']} V={sh['V']} (V/rank={sh['V'] // sh['TP']}) fp32, forward + backward, "
+        "1 thread per rank. Time: the slower rank per step, median of interleaved repeats after a "
+        "warm-up. Memory: peak RSS growth per rank (max over ranks) above the inputs in fresh "
+        "processes per variant (a tiny call first, so lazy imports are excluded). Collectives: per "
+        "step per rank; bytes = this rank's input / output buffers.",
+        "",
+    ]
+    hdr = [
+        "variant",
+        "median s",
+        "time / megatron",
+        "growth MiB (max rank)",
+        "growth - grads MiB",
+        "growth / megatron",
+        "(growth - grads) / megatron",
+        "steady growth excl. grads MiB",
+        "collectives / step",
+        "bytes in / step",
+        "bytes out / step",
+        "loss",
+    ]
     tab = []
     for name, r in rows.items():
         m = r["memory"]
         c = r["collectives"]
-        tab.append([name, r["median_s"], r["median_s"] / meg["median_s"], C.mib(m["growth_bytes"]),
-                    C.mib(m["growth_bytes"] - m["grad_bytes"]), m["growth_bytes"] / meg["memory"]["growth_bytes"],
-                    (m["growth_bytes"] - m["grad_bytes"]) / (meg["memory"]["growth_bytes"] - meg["memory"]["grad_bytes"]),
-                    C.mib(m["steady_growth_bytes"]) if m.get("steady_growth_bytes") is not None else None,
-                    c["count"], c["in_bytes"], c["out_bytes"], f"{r['loss']:.6f}"])
-    s += [C.md_table(hdr, tab), ""]
+        tab.append(
+            [
+                name,
+                r["median_s"],
+                r["median_s"] / meg["median_s"],
+                mib(m["growth_bytes"]),
+                mib(m["growth_bytes"] - m["grad_bytes"]),
+                m["growth_bytes"] / meg["memory"]["growth_bytes"],
+                (m["growth_bytes"] - m["grad_bytes"]) / (meg["memory"]["growth_bytes"] - meg["memory"]["grad_bytes"]),
+                mib(m["steady_growth_bytes"]) if m.get("steady_growth_bytes") is not None else None,
+                c["count"],
+                c["in_bytes"],
+                c["out_bytes"],
+                f"{r['loss']:.6f}",
+            ]
+        )
+    s += [md_table(hdr, tab), ""]
     s += ["Collectives per step, by op (count: in bytes -> out bytes):", ""]
     for name, r in rows.items():
-        ops = "; ".join(f"{op} x{d['count']}: {d['in_bytes']} -> {d['out_bytes']}"
-                        for op, d in r["collectives"]["by_op"].items())
+        ops = "; ".join(
+            f"{op} x{d['count']}: {d['in_bytes']} -> {d['out_bytes']}" for op, d in r["collectives"]["by_op"].items()
+        )
         s.append(f"- {name}: {ops}")
     cce = rows["cce"]
     tr = cce["median_s"] / meg["median_s"]
     mr = cce["memory"]["growth_bytes"] / meg["memory"]["growth_bytes"]
     mg = (cce["memory"]["growth_bytes"] - cce["memory"]["grad_bytes"]) / (
-        meg["memory"]["growth_bytes"] - meg["memory"]["grad_bytes"])
-    s += ["", "### Targets", "",
-          f"- time cce / megatron = {tr:.2f} (target <= 1.0): {'**met**' if tr <= 1.0 else '**missed**'}",
-          f"- peak growth cce / megatron = {mr:.3f} incl. gradients, {mg:.3f} excl. (target <= 0.15): "
-          f"{'**met**' if mr <= 0.15 else '**missed**'} incl. / {'**met**' if mg <= 0.15 else '**missed**'} excl.",
-          f"- per-rank step time spread (rank 0 / rank 1 medians) in the JSON (rank_wall_s).", ""]
+        meg["memory"]["growth_bytes"] - meg["memory"]["grad_bytes"]
+    )
+    s += [
+        "",
+        "### Targets",
+        "",
+        f"- time cce / megatron = {tr:.2f} (target <= 1.0): {'**met**' if tr <= 1.0 else '**missed**'}",
+        f"- peak growth cce / megatron = {mr:.3f} incl. gradients, {mg:.3f} excl. (target <= 0.15): "
+        f"{'**met**' if mr <= 0.15 else '**missed**'} incl. / {'**met**' if mg <= 0.15 else '**missed**'} excl.",
+        "- per-rank step time spread (rank 0 / rank 1 medians) in the JSON (rank_wall_s).",
+        "",
+    ]
     return "\n".join(s)
 
 
@@ -259,8 +300,12 @@ def plot(p: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], [rows[k]["median_s"] / meg["median_s"] for k in names], 0.4, label="time / megatron")
-    ax.bar([x + 0.2 for x in xs], [rows[k]["memory"]["growth_bytes"] / meg["memory"]["growth_bytes"] for k in names],
-           0.4, label="peak growth / megatron")
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [rows[k]["memory"]["growth_bytes"] / meg["memory"]["growth_bytes"] for k in names],
+        0.4,
+        label="peak growth / megatron",
+    )
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(0.15, color="r", lw=0.8, ls="--", label="memory target 0.15")
     ax.set_xticks(list(xs), names)
@@ -280,47 +325,59 @@ def main() -> None:
     ap.add_argument("--render-only", action="store_true", help="re-render .md/.png from the saved JSON")
     args = ap.parse_args()
     if args.render_only:
-        finish(json.loads((C.RESULTS / "tp_megatron.json").read_text()))
+        finish(json.loads((RESULTS / "tp_megatron.json").read_text()))
         return
     started = time.perf_counter()
     n, d, v = (N, D, V) if not args.shape else (int(x) for x in args.shape.split(","))
     repeats = args.repeats or (1 if args.quick else 3)
-    log = C.logger("tp_megatron")
-    env = C.env_info(mode="quick" if args.quick else "full", repeats=repeats, threads_per_rank=1)
+    log = logger("tp_megatron")
+    env = env_info(mode="quick" if args.quick else "full", repeats=repeats, threads_per_rank=1)
     cfg = {"N": n, "D": d, "V": v, "repeats": repeats, "variants": VARIANTS}
     log(f"timing TP={TP} N={n} D={d} V={v}")
     per_rank = spawn(timing_worker, TP, cfg)
     rows = {}
     for name in VARIANTS:
         r0 = per_rank[0][name]
-        rows[name] = {"kind": VARIANTS[name][0], "opts": VARIANTS[name][1], "wall_s": r0["wall_s"],
-                      "median_s": r0["median_s"], "rank_wall_s": [pr[name]["rank_wall_s"] for pr in per_rank],
-                      "loss": r0["loss"], "loss_by_rank": [pr[name]["loss"] for pr in per_rank],
-                      "collectives": {k: v_ for k, v_ in r0["collectives"].items()},
-                      "collectives_by_rank": [pr[name]["collectives"]["count"] for pr in per_rank]}
+        rows[name] = {
+            "kind": VARIANTS[name][0],
+            "opts": VARIANTS[name][1],
+            "wall_s": r0["wall_s"],
+            "median_s": r0["median_s"],
+            "rank_wall_s": [pr[name]["rank_wall_s"] for pr in per_rank],
+            "loss": r0["loss"],
+            "loss_by_rank": [pr[name]["loss"] for pr in per_rank],
+            "collectives": {k: v_ for k, v_ in r0["collectives"].items()},
+            "collectives_by_rank": [pr[name]["collectives"]["count"] for pr in per_rank],
+        }
     # Memory: a fresh process group per variant. RSS is per process, so the three groups run at
     # once (saves the slow start-up of three spawns; timing above ran alone).
     from concurrent.futures import ThreadPoolExecutor
 
     log("memory (fresh process groups, concurrently)")
     with ThreadPoolExecutor(len(VARIANTS)) as ex:
-        futs = {name: ex.submit(spawn, memory_worker, TP, {"N": n, "D": d, "V": v, "kind": kind, "opts": opts})
-                for name, (kind, opts) in VARIANTS.items()}
+        futs = {
+            name: ex.submit(spawn, memory_worker, TP, {"N": n, "D": d, "V": v, "kind": kind, "opts": opts})
+            for name, (kind, opts) in VARIANTS.items()
+        }
         mems = {name: f.result() for name, f in futs.items()}
     for name in VARIANTS:
         mem = mems[name]
         worst = max(mem, key=lambda m: m["growth_bytes"])
         rows[name]["memory"] = dict(worst)
         rows[name]["memory_by_rank"] = mem
-        log(f"  growth {C.mib(worst['growth_bytes'])} MiB")
-    payload = {"env": env, "question": "issue 3: cce_dist vs megatron-core vocab-parallel CE at TP=2",
-               "shape": {"TP": TP, "N": n, "D": d, "V": v}, "rows": rows}
-    C.close_env(env, started)
+        log(f"  growth {mib(worst['growth_bytes'])} MiB")
+    payload = {
+        "env": env,
+        "question": "cce_dist vs megatron-core vocab-parallel CE at TP=2",
+        "shape": {"TP": TP, "N": n, "D": d, "V": v},
+        "rows": rows,
+    }
+    close_env(env, started)
     finish(payload)
 
 
 def finish(payload: dict) -> None:
-    C.save_results("tp_megatron", payload, render, plot)
+    save_results("tp_megatron", payload, render, plot)
 
 
 if __name__ == "__main__":

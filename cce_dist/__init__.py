@@ -22,4 +22,5 @@ __all__ = [
     "linear_cross_entropy",
     "linear_logprobs",
 ]
+# The one version source: pyproject.toml reads it (tool.setuptools.dynamic).
 __version__ = "0.1.0"

@@ -37,10 +37,7 @@ def cache_dir() -> Path:
 def stdlib_files(max_files: int | None = None) -> tuple[Path, list[Path]]:
     """Sorted ``.py`` files of the standard library (first ``max_files`` if given)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.relative_to(root).parts and p.is_file()
-    )
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file())
     if max_files is not None:
         files = files[:max_files]
     if not files:
@@ -120,14 +117,18 @@ def prepare(vocab_size: int = 32768, max_files: int | None = None, progress: boo
     out = cache_dir() / f"stdlib-bpe{vocab_size}-{_key(root, files, vocab_size, max_files)}"
     if not (out / "meta.json").exists():
         if progress:
-            print(f"[data] building tokenizer (vocab {vocab_size}) on {len(files)} stdlib files "
-                  f"under {root} -> {out}", flush=True)
+            print(
+                f"[data] building tokenizer (vocab {vocab_size}) on {len(files)} stdlib files under {root} -> {out}",
+                flush=True,
+            )
         _build(root, files, vocab_size, out, progress)
         if progress:
             m = json.loads((out / "meta.json").read_text())
-            print(f"[data] {m['bytes'] / 2**20:.1f} MiB of source -> {m['tokens']:,} tokens, "
-                  f"vocab {m['vocab_size']} (train {m['train_s']} s, encode {m['encode_s']} s)",
-                  flush=True)
+            print(
+                f"[data] {m['bytes'] / 2**20:.1f} MiB of source -> {m['tokens']:,} tokens, "
+                f"vocab {m['vocab_size']} (train {m['train_s']} s, encode {m['encode_s']} s)",
+                flush=True,
+            )
     return out
 
 

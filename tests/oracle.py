@@ -1,6 +1,6 @@
 """The materialized reference that every cce_dist implementation is tested against.
 
-This is the program of DESIGN.md ("What it computes") written plainly in PyTorch: the full
+This is the program of docs/design.md ("What it computes") written plainly in PyTorch: the full
 ``[N, V]`` logits are formed with ``F.linear``, then softcap, temperature, ``F.cross_entropy``
 (with PyTorch's own ``label_smoothing`` and ``ignore_index``), z-loss, ``log_softmax`` + gather
 for logprobs and the softmax entropy. It is deliberately simple and slow; it is differentiable

@@ -14,10 +14,7 @@ statistics / gradients in float64, so it is more exact than any implementation u
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -31,28 +28,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load_kernels():
-    """cce_dist.kernels: the installed package, or kernels/ of this checkout under that name."""
-    try:
-        mod = importlib.import_module("cce_dist.kernels")
-        if hasattr(mod, "grads"):
-            return mod
-    except ImportError:
-        pass
-    spec = importlib.util.spec_from_file_location(
-        "cce_dist.kernels", REPO / "kernels" / "__init__.py",
-        submodule_search_locations=[str(REPO / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["cce_dist.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-K = _load_kernels()
+import cce_dist.kernels as K  # noqa: E402
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
 from cce_dist.stats import ENTROPY, MAX, SUM, SUM_SCALE, SUMEXP, TARGET  # noqa: E402
 from cce_dist.stats import entropy as stats_entropy  # noqa: E402
@@ -498,15 +474,9 @@ def test_mismatched_dtypes_raise():
 
 def test_cpu_tensors_without_interpreter_raise():
     """Outside the interpreter, CPU tensors are refused with a message naming the two ways out."""
-    code = textwrap.dedent(f"""
-        import importlib.util, os, sys, torch
-        os.environ.pop("TRITON_INTERPRET", None)
-        sys.path.insert(0, {str(REPO)!r})
-        spec = importlib.util.spec_from_file_location(
-            "cce_dist.kernels", {str(REPO / "kernels" / "__init__.py")!r},
-            submodule_search_locations=[{str(REPO / "kernels")!r}])
-        K = importlib.util.module_from_spec(spec); sys.modules["cce_dist.kernels"] = K
-        spec.loader.exec_module(K)
+    code = textwrap.dedent("""
+        import torch
+        import cce_dist.kernels as K
         assert K.available() == torch.cuda.is_available()
         h = torch.randn(2, 8); w = torch.randn(5, 8); t = torch.zeros(2, dtype=torch.long)
         for call in (

@@ -1,6 +1,6 @@
 """launch/: the torchrun training entry point and its pieces.
 
-The end-to-end test spawns ``launch/train.py`` under torchrun at tp=2 on gloo for a few steps of a
+The end-to-end test spawns ``python -m launch.train`` under torchrun at tp=2 on gloo for a few steps of a
 tiny model, with a small tokenizer trained on a slice of the stdlib (a few seconds; the demo's
 32k vocabulary is built by the demo itself), and checks the JSON summary: the cce_dist and
 materialized curves agree, are finite and go down, the step-0 gradients match, the trunk replicas
@@ -21,28 +21,27 @@ import torch.nn.functional as F
 
 pytest.importorskip("tokenizers", reason="launch/ needs the 'launch' extra (pip install -e .[launch])")
 
+from launch import baseline, data  # noqa: E402
+from launch.memory import TensorMemory  # noqa: E402
+from launch.model import ModelConfig, VocabParallelLM  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import baseline  # noqa: E402
-import data  # noqa: E402
-from memory import TensorMemory  # noqa: E402
-from model import ModelConfig, VocabParallelLM  # noqa: E402
-
-TINY = ["--vocab-size", "1024", "--max-files", "60", "--d-model", "64", "--layers", "1",
-        "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--chunk-size", "16384",
-        "--lr", "1e-2", "--warmup", "2", "--log-every", "1"]
+TINY = (
+    "--vocab-size 1024 --max-files 60 --d-model 64 --layers 1 --heads 2 --seq-len 32 --batch-size 4 "
+    "--chunk-size 16384 --lr 1e-2 --warmup 2 --log-every 1"
+).split()
 
 
 def _torchrun(tmp_path: Path, nproc: int, *args: str, timeout: float = 300):
-    env = dict(os.environ, CCE_DIST_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), str(ROOT / "launch" / "train.py"), *args, "--out-dir", str(tmp_path / "out")]
+    # As the README runs it: from the repository root, as a module (no PYTHONPATH).
+    env = dict(os.environ, CCE_DIST_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [*torchrun, "-m", "launch.train", *args, "--out-dir", str(tmp_path / "out")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
-    assert p.returncode == 0, f"train.py failed ({p.returncode}):\n{out[-6000:]}"
+    assert p.returncode == 0, f"launch.train failed ({p.returncode}):\n{out[-6000:]}"
     return json.loads((tmp_path / "out" / "summary.json").read_text()), p.stdout
 
 
@@ -117,13 +116,13 @@ def _baseline_body(rank, world, group, n, v, d):
     ref = F.cross_entropy(ref_h @ ref_w.T, t, ignore_index=-100)
     ref.backward()
     hh = h.clone().requires_grad_()
-    ws = w[rank * per:(rank + 1) * per].clone().requires_grad_()
+    ws = w[rank * per : (rank + 1) * per].clone().requires_grad_()
     loss = baseline.vocab_parallel_cross_entropy(hh, ws, t, rank * per, group)
     loss.backward()
     tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref.float(), **tol)
     torch.testing.assert_close(hh.grad, ref_h.grad.float(), **tol)
-    torch.testing.assert_close(ws.grad, ref_w.grad[rank * per:(rank + 1) * per].float(), **tol)
+    torch.testing.assert_close(ws.grad, ref_w.grad[rank * per : (rank + 1) * per].float(), **tol)
 
 
 def test_baseline_is_exact_cross_entropy(tmp_path):
@@ -137,7 +136,7 @@ def test_head_init_does_not_depend_on_tp():
     full = VocabParallelLM(cfg, 0, 96, seed=3)
     part = VocabParallelLM(cfg, 32, 64, seed=3)
     torch.testing.assert_close(part.head_weight, full.head_weight[32:64], rtol=0, atol=0)
-    for (n1, p1), (n2, p2) in zip(full.named_parameters(), part.named_parameters()):
+    for (n1, p1), (_, p2) in zip(full.named_parameters(), part.named_parameters()):
         if n1 != "head_weight":
             assert torch.equal(p1, p2), n1
     other = VocabParallelLM(cfg, 0, 96, seed=4)
