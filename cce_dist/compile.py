@@ -26,6 +26,7 @@ CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -43,10 +44,10 @@ __all__ = ["compiled_cross_entropy", "compiled_logprobs"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _backend(impl: str, device: torch.device):
+def _backend(impl: str, hidden: Tensor):
     from .api import _resolve_backend
 
-    return _resolve_backend(impl, device)
+    return _resolve_backend(impl, hidden.device, hidden.shape[-1])
 
 
 def _kwargs(backend, chunk_size: Optional[int], need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
@@ -73,7 +74,7 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy):
-    backend = _backend(impl, hidden.device)
+    backend = _backend(impl, hidden)
     kw, _ = _kwargs(backend, chunk_size, need_entropy, None, False)
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
@@ -84,7 +85,7 @@ def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, i
 
 def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, temperature, impl, chunk_size,
            filter_eps, deterministic, need_hidden, need_weight, need_bias):
-    backend = _backend(impl, hidden.device)
+    backend = _backend(impl, hidden)
     _, kw = _kwargs(backend, chunk_size, False, filter_eps, deterministic)
     need_bias = need_bias and bias is not None
     with torch.autocast(hidden.device.type, enabled=False):
@@ -278,10 +279,13 @@ def _prepare(hidden, weight, targets, bias, opts):
     _unsupported(hidden, weight, targets, bias, opts)
     _check_tensors(hidden, weight, targets, bias, opts)
     compute_dtype = _compute_dtype(hidden, weight)
-    t = _shift_targets(targets, opts.shift, opts.ignore_index)
+    # int64 ids before anything compares them with ignore_index or indexes with them (as eager does): int8/int16
+    # ids index out of range and uint8 ids index as a boolean mask
+    t = _shift_targets(targets.to(torch.int64), opts.shift, opts.ignore_index)
     fe = _filter_eps(opts, compute_dtype)
     extra = (None if fe is None else float(fe), bool(opts.deterministic))
-    return hidden.reshape(-1, hidden.shape[-1]), t.reshape(-1), compute_dtype, extra
+    h2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 cannot be inferred when D == 0
+    return h2, t.reshape(-1), compute_dtype, extra
 
 
 def compiled_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
