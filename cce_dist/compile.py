@@ -162,6 +162,22 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
 
 
+def _refuse_second_order() -> None:
+    """The eager autograd Functions' rule (cce_dist.autograd.refuse_second_order), where it can be told: run eagerly
+    (backend="eager") a backward with create_graph=True has grad mode on. AOTAutograd traces this backward with grad
+    mode on for any backward and raises its own error on a double backward of the compiled graph."""
+    from .autograd import refuse_second_order
+
+    if not torch.compiler.is_compiling() and not _tracing():
+        refuse_second_order()
+
+
+def _tracing() -> bool:
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get() is not None
+
+
 def _needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     """Whether hidden, weight and bias (when there is one) need a gradient."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -175,6 +191,7 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
 
 
 def _ce_backward(ctx, g_loss, g_lse):
+    _refuse_second_order()
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     needs = _needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
@@ -238,6 +255,7 @@ def _lp_setup_context(ctx, inputs, output):
 
 
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
+    _refuse_second_order()
     hidden, weight, bias, targets, stats = ctx.saved_tensors
     needs = _needed_input_grads(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
