@@ -362,6 +362,24 @@ def _tp_body(rank, world, group, cases):
                     if not re.search(SECOND_ORDER, str(e)):
                         fails.append(f"{name}: unclear error {e}")
                 continue
+            if what == "loss_scale":  # fp16 head and hidden, the fused schedule with its per-chunk collectives
+                g = torch.Generator().manual_seed(5)
+                h = torch.randn(256, D, generator=g).half()
+                w = (torch.randn(V, D, generator=g) / D**0.5).half()
+                t = torch.randint(0, V, (256,), generator=g)
+                ref = oracle_grads("mean", h, w, t, None)
+                for s in (2.0**15, 2.0**16, 2.0**24):
+                    mh, mw = _scaled_grads(
+                        lambda a, b, t: oracle_cross_entropy(a, b, t, z_loss=1e-2, dtype=torch.float16), h, w, t, s)
+                    hh, ww = _leaves(h, w[sl])
+                    out = linear_cross_entropy(hh, ww, t, z_loss=1e-2, shard=shard, impl=impl, chunk_size=64 * V)
+                    (out * s).backward()
+                    try:
+                        _assert_no_worse(f"{name} scale {s} d_hidden", hh.grad, mh, ref[1], s)
+                        _assert_no_worse(f"{name} scale {s} d_weight", ww.grad, mw[sl], ref[2][sl], s)
+                    except AssertionError as e:
+                        fails.append(str(e))
+                continue
             if what == "checkpoint":
                 got = _checkpointed_grads(path, h, w[sl], t, b[sl], impl, arg, shard=shard)
                 ref = _oracle_tanh_grads(path, h, w, t, b)
@@ -387,14 +405,15 @@ def _tp_body(rank, world, group, cases):
 
 def test_tensor_parallel_autograd_contract(tmp_path):
     """On a 2-rank vocab-parallel group, every path: second-order gradients raise, reentrant and non-reentrant
-    checkpointing give the oracle's gradients (hidden: full; weight and bias: this rank's rows), and D = 0 gives the
-    oracle's value."""
+    checkpointing give the oracle's gradients (hidden: full; weight and bias: this rank's rows), D = 0 gives the
+    oracle's value, and an fp16 loss scaled by GradScaler's scales is no less accurate than the materialized one."""
     cases = []
     for path in PATHS:
         cases.append((path, "torch", "second_order", None))
         for reentrant in (True, False):
             cases.append((path, "torch", "checkpoint", reentrant))
         cases.append((path, "torch", "zero_dim", None))
+    cases.append(("mean", "torch", "loss_scale", None))
     for path in ("mean", "entropy"):
         cases.append((path, "triton", "checkpoint", False))
         cases.append((path, "triton", "zero_dim", None))
