@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
-
 from dist_utils import run_ranks
 from oracle import oracle_cross_entropy, oracle_logprobs
+from torch.utils.checkpoint import checkpoint
 
 from cce_dist import VocabShard, linear_cross_entropy, linear_logprobs
 
@@ -184,7 +183,7 @@ def test_activation_checkpointing(path, impl, reentrant):
     ref = _oracle_tanh_grads(path, h, w, t, b)
     for name, x, y in zip(("value", "d_hidden", "d_weight", "d_bias"), got, ref):
         # float32 computation against float64: a few float32 roundings of O(1) quantities
-        torch.testing.assert_close(x.double(), y.double(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(x.double(), y.double(), rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,7 +228,6 @@ def _loss_scaling_case(fn, dtype_name, n, d, v, scales):
     t = torch.randint(0, v, (n,), generator=g)
     t[::7] = -100
     _, ref_h, ref_w, _ = oracle_grads("mean", h, w, t, None)
-    ref_h, ref_w = ref_h, ref_w
     mdt = None if wdt == torch.float32 else wdt  # the materialized program projects in the head's dtype
 
     def materialized(h, w, t):
@@ -417,6 +415,6 @@ def test_tensor_parallel_autograd_contract(tmp_path):
     for path in ("mean", "entropy"):
         cases.append((path, "triton", "checkpoint", False))
         cases.append((path, "triton", "zero_dim", None))
-    res = run_ranks(_tp_body, 2, tmp_path, kw=dict(cases=cases), timeout=400)
+    res = run_ranks(_tp_body, 2, tmp_path, kw={"cases": cases}, timeout=400)
     fails = [f"rank {r}: {f}" for r, fs in res.items() for f in fs]
     assert not fails, "\n".join(fails[:20])

@@ -14,7 +14,6 @@ After each error the group must still be in step: the next correct call gives th
 from __future__ import annotations
 
 import torch
-
 from dist_utils import run_ranks
 from oracle import oracle_cross_entropy
 
@@ -46,7 +45,7 @@ def _expect(fn, exc, pattern):
 
     try:
         out = fn()
-    except exc as e:  # noqa: PERF203
+    except exc as e:
         if not re.search(pattern, str(e)):
             return f"unclear {type(e).__name__}: {e}"
         return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import linear_cross_entropy, linear_logprobs
@@ -60,7 +59,7 @@ def test_every_integer_dtype_matches_the_oracle(dtype, impl):
     got = _loss_and_grads(_library(impl), h, w, b, t)
     ref = _loss_and_grads(_oracle, h, w, b, t)
     for name, x, y in zip(("loss", "logprob", "entropy", "d_hidden", "d_weight", "d_bias"), got, ref):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")  # fp32 both
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")  # fp32 both
 
 
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
@@ -72,7 +71,7 @@ def test_compiled_equals_eager_for_every_integer_dtype(dtype):
     compiled = _loss_and_grads(torch.compile(_library(), fullgraph=True, backend="aot_eager"), h, w, b, t)
     for name, x, y in zip(("loss", "logprob", "entropy", "d_hidden", "d_weight", "d_bias"), compiled, eager):
         # the same float32 computation in both (the compiled ops run the eager implementation)
-        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _uint8_out_of_range():
