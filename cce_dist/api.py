@@ -338,7 +338,8 @@ def linear_cross_entropy(
         hidden: ``[..., D]`` floating point (cast to the compute dtype: the weight's dtype, or the
             autocast dtype when autocast is on). Under ``shard.sequence_parallel``: ``[n/P, ..., D]``.
         weight: ``[V_local, D]`` the (shard of the) LM head; ``V_local = V`` without ``shard``.
-        targets: ``[...]`` integer global ids in ``[0, V)`` or ``ignore_index``;
+        targets: ``[...]`` integer global ids in ``[0, V)`` or ``ignore_index`` (any integer dtype,
+            compared as int64);
             ``targets.shape == hidden.shape[:-1]`` (the gathered shape under sequence parallelism).
         bias: ``[V_local]`` or None.
         ignore_index: targets equal to it contribute 0 loss and no gradient.
@@ -356,14 +357,17 @@ def linear_cross_entropy(
         chunk_size: torch impl: logits (tokens x vocab entries) held at once (memory/speed knob);
             None = ``max(2**24, 256 * V_local)`` (at least 256 tokens per chunk).
         grad_in_forward: torch impl: for a scalar loss with gradients, form the gradients during
-            forward (3 GEMMs instead of 4; a single backward). None = whenever it applies.
+            forward (3 GEMMs instead of 4; a single backward; the float32 gradients are held until
+            backward, which applies the upstream gradient, e.g. a loss scale, before rounding them
+            to each tensor's dtype). None = whenever it applies.
         filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
         deterministic: triton impl: bitwise reproducible backward (no float atomics).
 
     Returns:
         float32 loss: a scalar for ``mean``/``sum``, targets' shape for ``none``; with
-        ``return_lse``: ``(loss, lse)``. Differentiable w.r.t. hidden, weight and bias; gradients
-        come back in each tensor's dtype.
+        ``return_lse``: ``(loss, lse)``. Differentiable (once) w.r.t. hidden, weight and bias;
+        gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
+        raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
     opts = CrossEntropyOptions(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -405,7 +409,8 @@ def linear_logprobs(
 
     Returns:
         float32 ``logprobs`` of targets' shape (0 at ignored positions, never positive); with
-        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions).
+        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions). Differentiable
+        once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
     opts = LogprobOptions(
         ignore_index=ignore_index, softcap=softcap, shift=shift, shard=shard, impl=impl, chunk_size=chunk_size,

@@ -21,7 +21,12 @@ CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 - ``shard`` (tensor parallelism) and DTensor inputs raise ``NotImplementedError``: run the
   vocab-parallel loss outside the compiled region (``torch.compiler.disable``) instead.
 - ``grad_in_forward`` is ignored (the backward recomputes the logits from the saved lse).
-- targets out of range raise when the op runs, not at trace time.
+- targets of any integer dtype are converted to int64 ids before the ops (as eager does); ids out
+  of range raise when the op runs, not at trace time.
+- second-order gradients are not supported: run eagerly (``backend="eager"``) the backward raises
+  the library's error for ``create_graph=True``; behind AOTAutograd (``aot_eager``, ``inductor``)
+  torch raises "torch.compile with aot_autograd does not currently support double backward" when
+  the second-order graph is differentiated.
 """
 
 from __future__ import annotations
