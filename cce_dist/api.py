@@ -7,6 +7,7 @@ Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first di
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional, Union
@@ -76,9 +77,13 @@ def _check_tensors(hidden, weight, targets, bias, opts: _CommonOptions) -> None:
 
 
 def _check_target_range(targets: Tensor, ignore_index: int, vocab_size: Optional[int]) -> None:
-    """Targets must be ignore_index or in [0, vocab_size) (upper bound checked only if known)."""
+    """Targets must be ignore_index or in [0, vocab_size) (upper bound checked only if known).
+
+    Compared as int64 whatever the targets' integer dtype: ``uint8`` targets compared with ``ignore_index=-100``
+    directly would wrap it to 156 and skip that id here while the loss reads it as a class."""
     if targets.numel() == 0:
         return
+    targets = targets.to(torch.int64)
     t = targets[targets != ignore_index]
     if t.numel() == 0:
         return
@@ -106,8 +111,14 @@ def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
     return out
 
 
-def _resolve_backend(impl: str, device: torch.device):
+def _resolve_backend(impl: str, device: torch.device, hidden_dim: Optional[int] = None):
+    """The implementation module for ``impl`` on ``device``. A zero hidden size (``hidden_dim == 0``: the logits are
+    the bias, or 0) always runs the torch implementation: its GEMMs handle the empty projection, the kernels do not
+    (the check that ``impl='triton'`` can run still applies)."""
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return torch_impl
+    if hidden_dim == 0:
+        _resolve_backend(impl, device)  # same errors as for a non-empty projection
         return torch_impl
     try:
         from . import kernels
@@ -123,6 +134,10 @@ def _resolve_backend(impl: str, device: torch.device):
             "triton is imported, or use impl='torch'"
         )
     return kernels
+
+
+def _backend_name(backend) -> str:
+    return "torch" if backend is torch_impl else "triton"
 
 
 def _deterministic(requested: bool) -> bool:
@@ -155,9 +170,10 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
             local_vocab = weight.shape[0]
         elif shard.world_size == 1:
             local_vocab = shard.stop
-        _check_target_range(targets, opts.ignore_index, local_vocab)
-        backend = _resolve_backend(opts.impl, hidden.device)
-        t = _shift_targets(targets.long(), opts.shift, opts.ignore_index)  # any integer dtype -> int64 ids
+        t = targets.to(torch.int64)  # any integer dtype -> int64 ids, before any comparison with ignore_index
+        _check_target_range(t, opts.ignore_index, local_vocab)
+        backend = _resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
+        t = _shift_targets(t, opts.shift, opts.ignore_index)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
 
@@ -175,9 +191,11 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
         n_local = hidden.shape[0] if (error is None and sp) else 0
         n_tokens = t.numel() if error is None else 0
         # Everything that decides which collectives run, and with what sizes, must agree.
+        # The resolved implementation too: the torch one forms scalar-loss gradients in forward with one statistics
+        # collective per token chunk, the triton one issues a single one.
         fp = fingerprint(form, extra_fp, opts.ignore_index, opts.softcap, opts.shift, opts.chunk_size,
                          sp, shard.reduce_hidden_grad, shard.stats_collective, str(compute_dtype),
-                         _grad_needs(hidden, weight, bias))
+                         _grad_needs(hidden, weight, bias), _backend_name(backend))
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
         if not shard.check and error is not None:
             raise error  # documented: without the handshake a rank-local error can strand the others
@@ -187,6 +205,9 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
                                targets=t, ignore_index=opts.ignore_index, device=device)
         else:
             layout = _cheap_layout(shard, n_tokens, device)
+            # No handshake, but the global vocab is known now: an id >= V still raises (on this rank), as a
+            # single-device call would, instead of contributing no target logit (loss = lse).
+            _check_target_range(t, opts.ignore_index, layout.vocab_size)
 
     if backend is torch_impl:
         kw = {"row_stats": {"chunk_size": opts.chunk_size}, "grads": {"chunk_size": opts.chunk_size}}
@@ -200,7 +221,8 @@ def _prepare(hidden, weight, targets, bias, opts: _CommonOptions, form: str, ext
         # from values every rank agreed on, so the fused schedule's per-chunk collectives line up
         fused_chunk_tokens=torch_impl.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
-    return hidden.reshape(-1, d), t.reshape(-1), plan, tuple(targets.shape)
+    # not reshape(-1, d): with d == 0 the row count cannot be inferred from 0 elements
+    return hidden.reshape(math.prod(hidden.shape[:-1]), d), t.reshape(-1), plan, tuple(targets.shape)
 
 
 def _cheap_layout(shard: VocabShard, n_tokens: int, device) -> Layout:
@@ -316,7 +338,8 @@ def linear_cross_entropy(
         hidden: ``[..., D]`` floating point (cast to the compute dtype: the weight's dtype, or the
             autocast dtype when autocast is on). Under ``shard.sequence_parallel``: ``[n/P, ..., D]``.
         weight: ``[V_local, D]`` the (shard of the) LM head; ``V_local = V`` without ``shard``.
-        targets: ``[...]`` integer global ids in ``[0, V)`` or ``ignore_index``;
+        targets: ``[...]`` integer global ids in ``[0, V)`` or ``ignore_index`` (any integer dtype,
+            compared as int64);
             ``targets.shape == hidden.shape[:-1]`` (the gathered shape under sequence parallelism).
         bias: ``[V_local]`` or None.
         ignore_index: targets equal to it contribute 0 loss and no gradient.
@@ -334,14 +357,17 @@ def linear_cross_entropy(
         chunk_size: torch impl: logits (tokens x vocab entries) held at once (memory/speed knob);
             None = ``max(2**24, 256 * V_local)`` (at least 256 tokens per chunk).
         grad_in_forward: torch impl: for a scalar loss with gradients, form the gradients during
-            forward (3 GEMMs instead of 4; a single backward). None = whenever it applies.
+            forward (3 GEMMs instead of 4; a single backward; the float32 gradients are held until
+            backward, which applies the upstream gradient, e.g. a loss scale, before rounding them
+            to each tensor's dtype). None = whenever it applies.
         filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
         deterministic: triton impl: bitwise reproducible backward (no float atomics).
 
     Returns:
         float32 loss: a scalar for ``mean``/``sum``, targets' shape for ``none``; with
-        ``return_lse``: ``(loss, lse)``. Differentiable w.r.t. hidden, weight and bias; gradients
-        come back in each tensor's dtype.
+        ``return_lse``: ``(loss, lse)``. Differentiable (once) w.r.t. hidden, weight and bias;
+        gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
+        raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
     opts = CrossEntropyOptions(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -383,7 +409,8 @@ def linear_logprobs(
 
     Returns:
         float32 ``logprobs`` of targets' shape (0 at ignored positions, never positive); with
-        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions).
+        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions). Differentiable
+        once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
     opts = LogprobOptions(
         ignore_index=ignore_index, softcap=softcap, shift=shift, shard=shard, impl=impl, chunk_size=chunk_size,

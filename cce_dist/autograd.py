@@ -14,6 +14,7 @@ outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
@@ -56,8 +57,29 @@ def _forward_stats(plan: Plan, h: torch.Tensor, w, b, targets, softcap, temperat
     return plan.comm.reduce_stats(local)
 
 
-def _backward_grads(ctx, plan: Plan, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
-    h, weight, bias, targets = ctx.saved_tensors[:4]
+#: raised by every backward here when asked for a differentiable gradient (create_graph=True)
+SECOND_ORDER_ERROR = (
+    "cce_dist: second-order gradients (a backward with create_graph=True, e.g. for a gradient penalty) are not "
+    "supported: the gradients are formed by fused, non-differentiable chunk loops. Compute the term that needs "
+    "them from the materialized loss, F.cross_entropy(F.linear(hidden, weight, bias), targets) (or log_softmax for "
+    "logprobs), or differentiate without create_graph=True"
+)
+
+
+def refuse_second_order() -> None:
+    """Raise :data:`SECOND_ORDER_ERROR` when the running backward builds a graph (``create_graph=True``).
+
+    The autograd engine runs a backward with grad mode on exactly when ``create_graph=True``; the gradients
+    returned here would then silently lack their second-order term (``@once_differentiable`` raises only if the
+    upstream gradient itself requires grad, which a gradient penalty's does not)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(SECOND_ORDER_ERROR)
+
+
+def _backward_grads(ctx, plan: Plan, saved, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
+    """``saved = (h, weight, bias, targets)``: read from ``ctx.saved_tensors`` once by the caller (non-reentrant
+    checkpointing allows each saved tensor to be unpacked only once)."""
+    h, weight, bias, targets = saved
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     with _no_autocast(h.device):
         w = weight.to(plan.compute_dtype)
@@ -94,11 +116,13 @@ class CrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
+        refuse_second_order()
         plan, opts = ctx.plan, ctx.opts
-        lse, valid = ctx.saved_tensors[4:6]
+        saved = ctx.saved_tensors
+        lse, valid = saved[4:6]
         coef = F.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=opts.label_smoothing,
                                     z_loss=opts.z_loss, vocab_size=plan.vocab_size)
-        return _backward_grads(ctx, plan, coef, lse, opts.softcap, 1.0) + (None, None, None)
+        return _backward_grads(ctx, plan, saved[:4], coef, lse, opts.softcap, 1.0) + (None, None, None)
 
 
 class LogprobRows(torch.autograd.Function):
@@ -118,17 +142,24 @@ class LogprobRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
+        refuse_second_order()
         plan, opts = ctx.plan, ctx.opts
-        stats, valid = ctx.saved_tensors[4:6]
+        saved = ctx.saved_tensors
+        stats, valid = saved[4:6]
         coef = F.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
-        return _backward_grads(ctx, plan, coef, S.lse(stats), opts.softcap, opts.temperature) + (None, None, None)
+        return _backward_grads(ctx, plan, saved[:4], coef, S.lse(stats), opts.softcap, opts.temperature) + (
+            None, None, None)
 
 
 class FusedCrossEntropy(torch.autograd.Function):
     """Scalar loss (``reduction`` sum or mean) with gradients formed in forward (torch impl).
 
-    Forward holds the gradients (in their final dtypes) until backward multiplies them by the
-    upstream scalar in place, so the graph supports a single backward (a second raises).
+    Forward forms the gradients for an upstream gradient of a power of two near 1 per valid row (``unit`` times the
+    mean's ``1 / n_valid``), so a logit gradient rounded to a low-precision compute dtype keeps its bits instead of
+    sinking into that dtype's subnormals at ``1 / n_valid``. It holds them in their float32 accumulators until
+    backward, which multiplies them by the upstream scalar divided by ``unit`` and only then rounds them to each
+    tensor's dtype: a loss scale (GradScaler's ``(loss * 2**k).backward()``) is applied before the rounding, never to
+    an fp16 gradient or as an fp16 number. The graph supports a single backward (a second raises).
     """
 
     @staticmethod
@@ -142,10 +173,11 @@ class FusedCrossEntropy(torch.autograd.Function):
             valid = targets != opts.ignore_index
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
+            unit = 2.0 ** (1 - math.frexp(scale)[1])  # scale * unit in [1, 2); a power of two, so exact to undo
             kw = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
             loss_rows, _, dh, dw, db = fused_cross_entropy(
-                h, w, b, targets, valid, scale,
+                h, w, b, targets, valid, scale * unit,
                 coef_fn=lambda lse, v: F.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
                 rows_fn=lambda st, v: F.cross_entropy_rows(st, v, **kw),
                 vocab_start=plan.vocab_start, softcap=opts.softcap, chunk_tokens_=plan.fused_chunk_tokens,
@@ -154,13 +186,16 @@ class FusedCrossEntropy(torch.autograd.Function):
                 need_sum=bool(opts.label_smoothing),
             )
             if dh is not None:
-                dh = comm.reduce_hidden_grad(dh).to(hidden.dtype)
+                dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale
-        ctx.grads = [dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)]
+        ctx.grads = [dh, dw, db]  # float32 (the accumulators), times unit
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.inv_unit = 1.0 / unit
         return loss
 
     @staticmethod
     def backward(ctx, g):
+        refuse_second_order()
         grads = ctx.grads
         if grads is None:
             raise RuntimeError(
@@ -168,8 +203,9 @@ class FusedCrossEntropy(torch.autograd.Function):
                 "backward only; pass grad_in_forward=False to backward through the graph more than once"
             )
         ctx.grads = None
-        if not (g.numel() == 1 and float(g) == 1.0):
-            for t in grads:
-                if t is not None:
-                    t.mul_(g.to(t.dtype))
-        return tuple(grads) + (None, None, None)
+        factor = g.to(torch.float32) * ctx.inv_unit  # float32: a loss scale of 2**16 is inf as an fp16 number
+        out = []
+        for t, dtype in zip(grads, ctx.grad_dtypes):
+            # the accumulator is ours: scale in place in float32, then round once to the tensor's dtype
+            out.append(None if t is None else t.mul_(factor).to(dtype))
+        return tuple(out) + (None, None, None)

@@ -21,11 +21,17 @@ CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 - ``shard`` (tensor parallelism) and DTensor inputs raise ``NotImplementedError``: run the
   vocab-parallel loss outside the compiled region (``torch.compiler.disable``) instead.
 - ``grad_in_forward`` is ignored (the backward recomputes the logits from the saved lse).
-- targets out of range raise when the op runs, not at trace time.
+- targets of any integer dtype are converted to int64 ids before the ops (as eager does); ids out
+  of range raise when the op runs, not at trace time.
+- second-order gradients are not supported: run eagerly (``backend="eager"``) the backward raises
+  the library's error for ``create_graph=True``; behind AOTAutograd (``aot_eager``, ``inductor``)
+  torch raises "torch.compile with aot_autograd does not currently support double backward" when
+  the second-order graph is differentiated.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -43,10 +49,10 @@ __all__ = ["compiled_cross_entropy", "compiled_logprobs"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _backend(impl: str, device: torch.device):
+def _backend(impl: str, hidden: Tensor):
     from .api import _resolve_backend
 
-    return _resolve_backend(impl, device)
+    return _resolve_backend(impl, hidden.device, hidden.shape[-1])
 
 
 def _kwargs(backend, chunk_size: Optional[int], need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
@@ -73,7 +79,7 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy):
-    backend = _backend(impl, hidden.device)
+    backend = _backend(impl, hidden)
     kw, _ = _kwargs(backend, chunk_size, need_entropy, None, False)
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
@@ -84,7 +90,7 @@ def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, i
 
 def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, temperature, impl, chunk_size,
            filter_eps, deterministic, need_hidden, need_weight, need_bias):
-    backend = _backend(impl, hidden.device)
+    backend = _backend(impl, hidden)
     _, kw = _kwargs(backend, chunk_size, False, filter_eps, deterministic)
     need_bias = need_bias and bias is not None
     with torch.autocast(hidden.device.type, enabled=False):
@@ -161,6 +167,22 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
 
 
+def _refuse_second_order() -> None:
+    """The eager autograd Functions' rule (cce_dist.autograd.refuse_second_order), where it can be told: run eagerly
+    (backend="eager") a backward with create_graph=True has grad mode on. AOTAutograd traces this backward with grad
+    mode on for any backward and raises its own error on a double backward of the compiled graph."""
+    from .autograd import refuse_second_order
+
+    if not torch.compiler.is_compiling() and not _tracing():
+        refuse_second_order()
+
+
+def _tracing() -> bool:
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get() is not None
+
+
 def _needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     """Whether hidden, weight and bias (when there is one) need a gradient."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -174,6 +196,7 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
 
 
 def _ce_backward(ctx, g_loss, g_lse):
+    _refuse_second_order()
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     needs = _needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
@@ -237,6 +260,7 @@ def _lp_setup_context(ctx, inputs, output):
 
 
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
+    _refuse_second_order()
     hidden, weight, bias, targets, stats = ctx.saved_tensors
     needs = _needed_input_grads(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
@@ -278,10 +302,13 @@ def _prepare(hidden, weight, targets, bias, opts):
     _unsupported(hidden, weight, targets, bias, opts)
     _check_tensors(hidden, weight, targets, bias, opts)
     compute_dtype = _compute_dtype(hidden, weight)
-    t = _shift_targets(targets, opts.shift, opts.ignore_index)
+    # int64 ids before anything compares them with ignore_index or indexes with them (as eager does): int8/int16
+    # ids index out of range and uint8 ids index as a boolean mask
+    t = _shift_targets(targets.to(torch.int64), opts.shift, opts.ignore_index)
     fe = _filter_eps(opts, compute_dtype)
     extra = (None if fe is None else float(fe), bool(opts.deterministic))
-    return hidden.reshape(-1, hidden.shape[-1]), t.reshape(-1), compute_dtype, extra
+    h2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 cannot be inferred when D == 0
+    return h2, t.reshape(-1), compute_dtype, extra
 
 
 def compiled_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],

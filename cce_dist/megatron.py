@@ -169,7 +169,8 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
     if shift:
         # the sequence is labels' last dim; cce_dist's shift would act on targets' last dim (batch)
         ignore_index = loss_options.get("ignore_index", -100)
-        shifted = labels.new_full(labels.shape, ignore_index)
+        # int64 first: ignore_index (-100) does not fit a uint8/int8 label tensor
+        shifted = torch.full(labels.shape, ignore_index, dtype=torch.int64, device=labels.device)
         if shift < labels.shape[1]:
             shifted[:, : labels.shape[1] - shift] = labels[:, shift:]
         labels = shifted

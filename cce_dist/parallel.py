@@ -133,17 +133,39 @@ def fingerprint(*values) -> int:
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
 
 
-def targets_checksum(targets: torch.Tensor) -> int:
-    """Position-weighted checksum of the targets, identical on ranks that hold the same ids."""
+#: modulus and the two independent (a, b, c, k) parameter sets of :func:`targets_checksum`
+_CK_PRIME = 2**31 - 1
+_CK_PARAMS = ((1_540_483_477, 597_399_067, 1_190_494_759, 1_911_520_717),
+              (2_028_178_513, 1_103_515_245, 374_761_393, 668_265_263))
+
+
+def targets_checksum(targets: torch.Tensor) -> tuple[int, int]:
+    """Two independent mixing sums of the targets, identical on ranks that hold the same ids.
+
+    Each (position i, id t) is mixed non-linearly, ``x = (a*t + b*i + c) mod p``, ``y = x*x mod p``,
+    ``y = ((y ^ (y >> 16)) * k) mod p`` (``p = 2**31 - 1``), and the ``y`` are summed. A linear position-weighted sum
+    lets edits cancel (+2 at position 0 and -1 at position 1); here two edits cancel only if two pseudo-random values
+    collide, about 2**-31 per sum, 2**-62 for both. Every product stays below 2**62 and the sums below 2**63 for up
+    to 2**32 tokens, so the int64 arithmetic never wraps and gives the same numbers on every device. Runs on the
+    targets' device (no copy to the host).
+    """
     if targets.numel() == 0:
-        return 0
-    w = torch.arange(targets.numel(), device=targets.device, dtype=torch.int64) % 65521 + 1
-    return int((targets.reshape(-1).to(torch.int64) * w).sum().item() & 0x7FFFFFFFFFFF)
+        return 0, 0
+    p = _CK_PRIME
+    t = torch.remainder(targets.reshape(-1).to(torch.int64), p)
+    i = torch.arange(t.numel(), device=t.device, dtype=torch.int64) % p
+    sums = []
+    for a, b, c, k in _CK_PARAMS:
+        x = (t * a % p + i * b % p + c) % p
+        y = x * x % p
+        y = (y ^ (y >> 16)) * k % p
+        sums.append(y.sum())
+    return tuple(int(v) for v in torch.stack(sums).tolist())
 
 
 # handshake vector fields
-_OK, _N, _START, _STOP, _FP, _CK, _TMAX, _D, _NLOC = range(9)
-_FIELDS = 9
+_OK, _N, _START, _STOP, _FP, _CK, _CK2, _TMAX, _D, _NLOC = range(10)
+_FIELDS = 10
 
 
 def handshake(
@@ -171,7 +193,7 @@ def handshake(
         info[_FP], info[_D], info[_NLOC] = options_fp, hidden_dim, n_local_tokens
         info[_TMAX] = -1
         if targets is not None and targets.numel():
-            info[_CK] = targets_checksum(targets)
+            info[_CK], info[_CK2] = targets_checksum(targets)
             valid = targets[targets != ignore_index]
             if valid.numel():
                 info[_TMAX] = int(valid.max().item())
@@ -200,8 +222,10 @@ def handshake(
     disagree(_D, "the hidden size (hidden.shape[-1] / weight.shape[1])")
     disagree(_FP, "the loss options or inputs' kind (reduction, label_smoothing, z_loss, softcap, temperature, "
                   "ignore_index, shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, "
-                  "compute dtype, which of hidden/weight/bias require grad)")
+                  "compute dtype, which of hidden/weight/bias require grad, the implementation torch/triton "
+                  "that impl= resolved to)")
     disagree(_CK, "the target ids (targets must be identical global ids on every rank)")
+    disagree(_CK2, "the target ids (targets must be identical global ids on every rank)")
     if shard.sequence_parallel:
         disagree(_NLOC, "the number of local tokens under sequence parallelism")
     bounds = tuple((int(a), int(b)) for a, b in rows[:, [_START, _STOP]].tolist())
