@@ -15,16 +15,18 @@ outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Optional
+from typing import Any
 
 import torch
 
-from . import formulas as F
+from . import formulas
 from . import stats as S
+from .backend import Backend
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
+from .prepare import to_dtype
 from .torch_impl import fused_cross_entropy
 
 
@@ -32,17 +34,15 @@ from .torch_impl import fused_cross_entropy
 class Plan:
     """Everything a Function needs besides tensors and options, resolved once per call."""
 
-    backend: ModuleType  # cce_dist.torch_impl or cce_dist.kernels
+    backend: Backend  # cce_dist.torch_impl or cce_dist.kernels
     compute_dtype: torch.dtype
     vocab_start: int
     vocab_size: int  # global (all shards)
     comm: Comm
-    backend_kwargs: dict
+    #: ``{"row_stats": {...}, "grads": {...}}``: the backend's keyword options, built once
+    #: (:func:`cce_dist.prepare.backend_kwargs`) and never changed after
+    backend_kwargs: Mapping[str, Mapping[str, Any]]
     fused_chunk_tokens: int = 0  # FusedCrossEntropy only: identical on every rank
-
-
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(dtype)
 
 
 def _no_autocast(device: torch.device):
@@ -76,17 +76,24 @@ def refuse_second_order() -> None:
         raise RuntimeError(SECOND_ORDER_ERROR)
 
 
+def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
+    """Whether hidden, weight and bias (when there is one) need a gradient: the first three inputs of every
+    Function and custom op here."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    return bool(need_h), bool(need_w), bool(need_b and bias is not None)
+
+
 def _backward_grads(ctx, plan: Plan, saved, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
     """``saved = (h, weight, bias, targets)``: read from ``ctx.saved_tensors`` once by the caller (non-reentrant
     checkpointing allows each saved tensor to be unpacked only once)."""
     h, weight, bias, targets = saved
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_h, need_w, need_b = needed_input_grads(ctx, bias)
     with _no_autocast(h.device):
         w = weight.to(plan.compute_dtype)
-        b = _cast(bias, plan.compute_dtype)
+        b = to_dtype(bias, plan.compute_dtype)
         dh, dw, db = plan.backend.grads(
             h, w, b, targets, lse, coef, vocab_start=plan.vocab_start, softcap=softcap,
-            temperature=temperature, need_hidden=need_h, need_weight=need_w, need_bias=need_b and bias is not None,
+            temperature=temperature, need_hidden=need_h, need_weight=need_w, need_bias=need_b,
             **plan.backend_kwargs.get("grads", {}),
         )
         if dh is not None:
@@ -105,10 +112,10 @@ class CrossEntropyRows(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
         with _no_autocast(hidden.device):
             h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype),
+            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype),
                                    targets, opts.softcap, 1.0)
             valid = targets != opts.ignore_index
-            loss, lse = F.cross_entropy_rows(stats, valid, label_smoothing=opts.label_smoothing,
+            loss, lse = formulas.cross_entropy_rows(stats, valid, label_smoothing=opts.label_smoothing,
                                              z_loss=opts.z_loss, vocab_size=plan.vocab_size)
         ctx.save_for_backward(h, weight, bias, targets, lse, valid)
         ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
@@ -120,7 +127,7 @@ class CrossEntropyRows(torch.autograd.Function):
         plan, opts = ctx.plan, ctx.opts
         saved = ctx.saved_tensors
         lse, valid = saved[4:6]
-        coef = F.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=opts.label_smoothing,
+        coef = formulas.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=opts.label_smoothing,
                                     z_loss=opts.z_loss, vocab_size=plan.vocab_size)
         return _backward_grads(ctx, plan, saved[:4], coef, lse, opts.softcap, 1.0) + (None, None, None)
 
@@ -132,10 +139,10 @@ class LogprobRows(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
         with _no_autocast(hidden.device):
             h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype),
+            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype),
                                    targets, opts.softcap, opts.temperature)
             valid = targets != opts.ignore_index
-            lp, ent = F.logprob_rows(stats, valid)
+            lp, ent = formulas.logprob_rows(stats, valid)
         ctx.save_for_backward(h, weight, bias, targets, stats, valid)
         ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
         return lp, ent
@@ -146,7 +153,7 @@ class LogprobRows(torch.autograd.Function):
         plan, opts = ctx.plan, ctx.opts
         saved = ctx.saved_tensors
         stats, valid = saved[4:6]
-        coef = F.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
+        coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
         return _backward_grads(ctx, plan, saved[:4], coef, S.lse(stats), opts.softcap, opts.temperature) + (
             None, None, None)
 
@@ -164,12 +171,11 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
+        need_h, need_w, need_b = needed_input_grads(ctx, bias)
         comm = plan.comm
         with _no_autocast(hidden.device):
             h = comm.gather_tokens(hidden.to(plan.compute_dtype))
-            w, b = weight.to(plan.compute_dtype), _cast(bias, plan.compute_dtype)
+            w, b = weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype)
             valid = targets != opts.ignore_index
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
@@ -178,8 +184,8 @@ class FusedCrossEntropy(torch.autograd.Function):
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
             loss_rows, _, dh, dw, db = fused_cross_entropy(
                 h, w, b, targets, valid, scale * unit,
-                coef_fn=lambda lse, v: F.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
-                rows_fn=lambda st, v: F.cross_entropy_rows(st, v, **kw),
+                coef_fn=lambda lse, v: formulas.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
+                rows_fn=lambda st, v: formulas.cross_entropy_rows(st, v, **kw),
                 vocab_start=plan.vocab_start, softcap=opts.softcap, chunk_tokens_=plan.fused_chunk_tokens,
                 need_hidden=need_h, need_weight=need_w, need_bias=need_b,
                 reduce_stats=comm.reduce_stats if comm.active else None,

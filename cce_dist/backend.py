@@ -1,6 +1,8 @@
 """The contract every implementation (``torch``, ``triton``) fulfils for one vocab shard.
 
-An implementation is a module with two functions, free of autograd and of torch.distributed:
+An implementation is a module (:mod:`cce_dist.torch_impl`, :mod:`cce_dist.kernels`) satisfying the
+:class:`Backend` protocol: two functions, free of autograd and of torch.distributed, and constants
+declaring its capabilities, so callers ask what a backend can do instead of which one it is.
 
 ``row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature) -> stats``
     hidden  ``[N, D]``  compute dtype (already cast)
@@ -50,5 +52,46 @@ The coefficients for each output form (``g`` = upstream gradient of that output 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
 ALPHA, BETA, GAMMA, DELTA = range(4)
 NUM_COEFS = 4
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What :mod:`cce_dist.autograd`, :mod:`cce_dist.compile` and :mod:`cce_dist.prepare` may rely on.
+
+    Capabilities (module-level constants of each implementation):
+
+    NAME                 "torch" | "triton": which implementation ``impl=`` resolved to (the TP handshake
+                         compares it: the two issue different statistics collectives for a scalar loss)
+    FUSED_CHUNKING       the scalar-loss schedule of :func:`cce_dist.torch_impl.fused_cross_entropy`
+                         (gradients formed in forward, per-token-chunk statistics collectives) computes
+                         this implementation's numbers, so ``grad_in_forward`` may use it
+    SUPPORTS_FILTERING   ``grads`` honours ``filter_eps`` (else it is not passed: always exact)
+    DETERMINISTIC_OPTION ``grads`` honours ``deterministic`` (else it is not passed: always deterministic)
+    ROW_STATS_OPTIONS    the extra keyword options ``row_stats`` accepts (e.g. ``chunk_size``)
+    GRADS_OPTIONS        the extra keyword options ``grads`` accepts besides ``filter_eps``/``deterministic``
+    """
+
+    NAME: str
+    FUSED_CHUNKING: bool
+    SUPPORTS_FILTERING: bool
+    DETERMINISTIC_OPTION: bool
+    ROW_STATS_OPTIONS: frozenset[str]
+    GRADS_OPTIONS: frozenset[str]
+
+    def row_stats(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, vocab_start: int,
+        softcap: float | None, temperature: float,
+    ) -> Tensor: ...
+
+    def grads(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, coef: Tensor, *,
+        vocab_start: int, softcap: float | None, temperature: float, need_hidden: bool, need_weight: bool,
+        need_bias: bool, filter_eps: float | None = None, deterministic: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...

@@ -31,15 +31,25 @@ CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from . import formulas as F
+from . import formulas
 from . import stats as S
+from .autograd import needed_input_grads, refuse_second_order
 from .options import CrossEntropyOptions, LogprobOptions
+from .prepare import (
+    Prepared,
+    backend_kwargs,
+    cross_entropy_result,
+    is_dtensor,
+    logprob_result,
+    prepare_rows,
+    resolve_backend,
+    resolve_filter_eps,
+    to_dtype,
+    valid_id_range,
+)
 
 __all__ = ["compiled_cross_entropy", "compiled_logprobs"]
 
@@ -49,55 +59,40 @@ __all__ = ["compiled_cross_entropy", "compiled_logprobs"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _backend(impl: str, hidden: Tensor):
-    from .api import _resolve_backend
-
-    return _resolve_backend(impl, hidden.device, hidden.shape[-1])
-
-
-def _kwargs(backend, chunk_size: Optional[int], need_entropy: bool, filter_eps: Optional[float], deterministic: bool):
-    from . import torch_impl
-    from .api import _deterministic
-
-    if backend is torch_impl:
-        return ({"chunk_size": chunk_size, "need_entropy": need_entropy}, {"chunk_size": chunk_size})
-    # read when the op runs, as eager reads it when the loss is called
-    return ({}, {"filter_eps": filter_eps, "deterministic": _deterministic(deterministic)})
-
-
 def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
-    t = targets[targets != ignore_index]
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+    """The ids must be in ``[0, vocab_size)`` or equal ``ignore_index`` (checked when the op runs)."""
+    ids = valid_id_range(targets, ignore_index)
+    if ids is not None and (ids[0] < 0 or ids[1] >= vocab_size):
         raise ValueError(
             f"targets must be in [0, {vocab_size}) or equal ignore_index ({ignore_index}); got ids in "
-            f"[{int(t.min())}, {int(t.max())}]"
+            f"[{ids[0]}, {ids[1]}]"
         )
 
 
-def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if t is None else t.to(dtype)
-
-
 def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy):
-    backend = _backend(impl, hidden)
-    kw, _ = _kwargs(backend, chunk_size, need_entropy, None, False)
+    backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
+    kw = backend_kwargs(backend, chunk_size=chunk_size, need_entropy=need_entropy, need_sum=True, filter_eps=None,
+                        deterministic=False)
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
-            hidden.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype), targets,
-            vocab_start=0, softcap=softcap, temperature=temperature, **kw,
+            hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype), targets,
+            vocab_start=0, softcap=softcap, temperature=temperature, **kw["row_stats"],
         )
 
 
 def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, temperature, impl, chunk_size,
            filter_eps, deterministic, need_hidden, need_weight, need_bias):
-    backend = _backend(impl, hidden)
-    _, kw = _kwargs(backend, chunk_size, False, filter_eps, deterministic)
+    backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
+    # deterministic: torch.use_deterministic_algorithms is read when the op runs, as eager reads it when the loss is
+    # called
+    kw = backend_kwargs(backend, chunk_size=chunk_size, need_entropy=False, need_sum=True, filter_eps=filter_eps,
+                        deterministic=deterministic)
     need_bias = need_bias and bias is not None
     with torch.autocast(hidden.device.type, enabled=False):
         dh, dw, db = backend.grads(
-            hidden.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype), targets, lse, coef,
+            hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype), targets, lse, coef,
             vocab_start=0, softcap=softcap, temperature=temperature, need_hidden=need_hidden,
-            need_weight=need_weight, need_bias=need_bias, **kw,
+            need_weight=need_weight, need_bias=need_bias, **kw["grads"],
         )
     # unused gradients come back as distinct empty tensors (outputs of a custom op must not alias)
     return (
@@ -114,16 +109,16 @@ def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, tem
 
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())
 def _ce_rows(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], impl: str,
-    chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, compute_dtype: torch.dtype,
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None, impl: str,
+    chunk_size: int | None, filter_eps: float | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
     stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, 1.0, impl, chunk_size, False)
     valid = targets != ignore_index
-    return F.cross_entropy_rows(stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+    return formulas.cross_entropy_rows(stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
 
 
 @_ce_rows.register_fake
@@ -135,13 +130,13 @@ def _(hidden, weight, bias, targets, compute_dtype, ignore_index, label_smoothin
 
 @torch.library.custom_op("cce_dist::ce_rows_backward", mutates_args=())
 def _ce_rows_backward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor, g_loss: Tensor,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, g_loss: Tensor,
     g_lse: Tensor, compute_dtype: torch.dtype, ignore_index: int, label_smoothing: float, z_loss: float,
-    softcap: Optional[float], impl: str, chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
+    softcap: float | None, impl: str, chunk_size: int | None, filter_eps: float | None, deterministic: bool,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
-    coef = F.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=label_smoothing, z_loss=z_loss,
+    coef = formulas.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=label_smoothing, z_loss=z_loss,
                                 vocab_size=weight.shape[0])
     return _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, 1.0, impl, chunk_size,
                   filter_eps, deterministic, need_hidden, need_weight, need_bias)
@@ -171,8 +166,6 @@ def _refuse_second_order() -> None:
     """The eager autograd Functions' rule (cce_dist.autograd.refuse_second_order), where it can be told: run eagerly
     (backend="eager") a backward with create_graph=True has grad mode on. AOTAutograd traces this backward with grad
     mode on for any backward and raises its own error on a double backward of the compiled graph."""
-    from .autograd import refuse_second_order
-
     if not torch.compiler.is_compiling() and not _tracing():
         refuse_second_order()
 
@@ -181,12 +174,6 @@ def _tracing() -> bool:
     from torch._guards import TracingContext
 
     return TracingContext.try_get() is not None
-
-
-def _needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
-    """Whether hidden, weight and bias (when there is one) need a gradient."""
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    return bool(need_h), bool(need_w), bool(need_b and bias is not None)
 
 
 def _input_grads(ctx, needs, dh, dw, db) -> tuple:
@@ -198,7 +185,7 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
 def _ce_backward(ctx, g_loss, g_lse):
     _refuse_second_order()
     hidden, weight, bias, targets, lse = ctx.saved_tensors
-    needs = _needed_input_grads(ctx, bias)
+    needs = needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
     dh, dw, db = torch.ops.cce_dist.ce_rows_backward(hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args,
@@ -213,15 +200,15 @@ def _ce_backward(ctx, g_loss, g_lse):
 
 @torch.library.custom_op("cce_dist::logprob_rows", mutates_args=())
 def _logprob_rows(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, softcap: Optional[float], temperature: float, return_entropy: bool, impl: str,
-    chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, compute_dtype: torch.dtype,
+    ignore_index: int, softcap: float | None, temperature: float, return_entropy: bool, impl: str,
+    chunk_size: int | None, filter_eps: float | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     _check_targets(targets, ignore_index, weight.shape[0])
     stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size,
                    return_entropy)
-    lp, ent = F.logprob_rows(stats, targets != ignore_index)
+    lp, ent = formulas.logprob_rows(stats, targets != ignore_index)
     return lp, ent, stats
 
 
@@ -236,13 +223,13 @@ def _(hidden, weight, bias, targets, compute_dtype, ignore_index, softcap, tempe
 
 @torch.library.custom_op("cce_dist::logprob_rows_backward", mutates_args=())
 def _logprob_rows_backward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, stats: Tensor, g_lp: Tensor,
-    g_ent: Tensor, compute_dtype: torch.dtype, ignore_index: int, softcap: Optional[float], temperature: float,
-    return_entropy: bool, impl: str, chunk_size: Optional[int], filter_eps: Optional[float], deterministic: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, stats: Tensor, g_lp: Tensor,
+    g_ent: Tensor, compute_dtype: torch.dtype, ignore_index: int, softcap: float | None, temperature: float,
+    return_entropy: bool, impl: str, chunk_size: int | None, filter_eps: float | None, deterministic: bool,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
-    coef = F.logprob_coef(stats, valid, g_lp, g_ent if return_entropy else None)
+    coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if return_entropy else None)
     return _grads(hidden, weight, bias, targets, S.lse(stats), coef, compute_dtype, softcap, temperature, impl,
                   chunk_size, filter_eps, deterministic, need_hidden, need_weight, need_bias)
 
@@ -262,7 +249,7 @@ def _lp_setup_context(ctx, inputs, output):
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
     _refuse_second_order()
     hidden, weight, bias, targets, stats = ctx.saved_tensors
-    needs = _needed_input_grads(ctx, bias)
+    needs = needed_input_grads(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
     dh, dw, db = torch.ops.cce_dist.logprob_rows_backward(
         hidden, weight, bias, targets, stats, zeros if g_lp is None else g_lp, zeros if g_ent is None else g_ent,
@@ -286,55 +273,39 @@ def _unsupported(hidden, weight, targets, bias, opts) -> None:
             "cce_dist under torch.compile supports one device only (shard=None); call the vocab-parallel loss "
             "outside the compiled region, e.g. wrap it in torch.compiler.disable"
         )
-    from .api import _is_dtensor
-
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)):
-        if t is not None and _is_dtensor(t):
+        if t is not None and is_dtensor(t):
             raise NotImplementedError(
                 f"cce_dist under torch.compile does not accept DTensor inputs ({name}); call it outside the "
                 "compiled region (torch.compiler.disable) or pass local tensors with shard=VocabShard(...)"
             )
 
 
-def _prepare(hidden, weight, targets, bias, opts):
-    from .api import _check_tensors, _compute_dtype, _filter_eps, _shift_targets
-
+def _prepare(hidden, weight, targets, bias, opts) -> tuple[Prepared, tuple[float | None, bool]]:
+    """The shared preparation (ids checked inside the ops) and the backward-only op arguments."""
     _unsupported(hidden, weight, targets, bias, opts)
-    _check_tensors(hidden, weight, targets, bias, opts)
-    compute_dtype = _compute_dtype(hidden, weight)
-    # int64 ids before anything compares them with ignore_index or indexes with them (as eager does): int8/int16
-    # ids index out of range and uint8 ids index as a boolean mask
-    t = _shift_targets(targets.to(torch.int64), opts.shift, opts.ignore_index)
-    fe = _filter_eps(opts, compute_dtype)
-    extra = (None if fe is None else float(fe), bool(opts.deterministic))
-    h2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 cannot be inferred when D == 0
-    return h2, t.reshape(-1), compute_dtype, extra
+    rows = prepare_rows(hidden, weight, targets, bias, opts, check_ids=False)
+    fe = resolve_filter_eps(opts, rows.compute_dtype)
+    return rows, (None if fe is None else float(fe), bool(opts.deterministic))
 
 
-def compiled_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
-                           opts: CrossEntropyOptions):
+def compiled_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                           opts: CrossEntropyOptions) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
-    h2, t1, compute_dtype, extra = _prepare(hidden, weight, targets, bias, opts)
+    rows, extra = _prepare(hidden, weight, targets, bias, opts)
     loss_rows, lse = torch.ops.cce_dist.ce_rows(
-        h2, weight, bias, t1, compute_dtype, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
-        opts.softcap, opts.impl, opts.chunk_size, *extra,
+        rows.hidden, weight, bias, rows.targets, rows.compute_dtype, opts.ignore_index, float(opts.label_smoothing),
+        float(opts.z_loss), opts.softcap, opts.impl, opts.chunk_size, *extra,
     )
-    if opts.reduction == "none":
-        loss = loss_rows.reshape(targets.shape)
-    elif opts.reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows.sum() / (t1 != opts.ignore_index).sum().clamp(min=1)
-    return (loss, lse.reshape(targets.shape)) if opts.return_lse else loss
+    return cross_entropy_result(loss_rows, lse, rows, opts)
 
 
-def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
-                      opts: LogprobOptions):
+def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                      opts: LogprobOptions) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cce_dist.linear_logprobs` as traceable ops (called by the API under compile)."""
-    h2, t1, compute_dtype, extra = _prepare(hidden, weight, targets, bias, opts)
+    rows, extra = _prepare(hidden, weight, targets, bias, opts)
     lp, ent, _ = torch.ops.cce_dist.logprob_rows(
-        h2, weight, bias, t1, compute_dtype, opts.ignore_index, opts.softcap, float(opts.temperature),
-        bool(opts.return_entropy), opts.impl, opts.chunk_size, *extra,
+        rows.hidden, weight, bias, rows.targets, rows.compute_dtype, opts.ignore_index, opts.softcap,
+        float(opts.temperature), bool(opts.return_entropy), opts.impl, opts.chunk_size, *extra,
     )
-    shape = targets.shape
-    return (lp.reshape(shape), ent.reshape(shape)) if opts.return_entropy else lp.reshape(shape)
+    return logprob_result(lp, ent, rows, opts)

@@ -25,9 +25,7 @@ a sharded DTensor weight must describe the same rows; its other fields (``stats_
 
 from __future__ import annotations
 
-from typing import Optional
-
-from .options import _CommonOptions
+from .options import CommonOptions
 from .parallel import VocabShard
 
 __all__ = ["from_dtensor"]
@@ -39,7 +37,7 @@ def _types():
     return DTensor, Partial, Replicate, Shard
 
 
-def _mesh_1d(name: str, t) -> "object":
+def _mesh_1d(name: str, t) -> object:
     mesh = t.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -53,7 +51,7 @@ def _placement_str(t) -> str:
     return "(" + ", ".join(str(p) for p in t.placements) + ")"
 
 
-def _weight_shard(weight, opts: _CommonOptions):
+def _weight_shard(weight, opts: CommonOptions):
     """(local weight, VocabShard or None) of a DTensor weight."""
     DTensor, Partial, Replicate, Shard = _types()
     mesh = _mesh_1d("weight", weight)
@@ -77,7 +75,7 @@ def _same_mesh(name: str, t, mesh) -> None:
         raise ValueError(f"cce_dist: {name} is a DTensor on a different device mesh than weight")
 
 
-def from_dtensor(hidden, weight, targets, bias, opts: _CommonOptions):
+def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
     """Translate DTensor arguments into local tensors and options with the derived ``shard``.
 
     Returns ``(hidden, weight_local, targets, bias_local, opts)`` ready for the regular path.
@@ -121,7 +119,7 @@ def from_dtensor(hidden, weight, targets, bias, opts: _CommonOptions):
 
     if shard_info is not None:
         group, start, stop = shard_info
-        given: Optional[VocabShard] = opts.shard
+        given: VocabShard | None = opts.shard
         if given is None:
             shard = VocabShard(group, start, stop)
         else:

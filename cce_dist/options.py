@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     from .parallel import VocabShard
@@ -31,7 +31,7 @@ DEFAULT_CHUNK_SIZE = 1 << 24
 MIN_CHUNK_TOKENS = 256
 
 
-def _check_shift(shift: Union[bool, int]) -> int:
+def _check_shift(shift: bool | int) -> int:
     if isinstance(shift, bool):
         return int(shift)
     if not isinstance(shift, int) or shift < 0:
@@ -44,7 +44,7 @@ def _finite(x: float) -> bool:
     return abs(x) < math.inf
 
 
-def _check_softcap(softcap: Optional[float]) -> Optional[float]:
+def _check_softcap(softcap: float | None) -> float | None:
     if softcap is None:
         return None
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap > 0 \
@@ -54,14 +54,16 @@ def _check_softcap(softcap: Optional[float]) -> Optional[float]:
 
 
 @dataclass(frozen=True)
-class _CommonOptions:
+class CommonOptions:
+    """The fields every entry point shares (documented on :class:`CrossEntropyOptions`)."""
+
     ignore_index: int = -100
-    softcap: Optional[float] = None
-    shift: Union[bool, int] = False
-    shard: Optional["VocabShard"] = None
+    softcap: float | None = None
+    shift: bool | int = False
+    shard: VocabShard | None = None
     impl: Impl = "auto"
-    chunk_size: Optional[int] = None
-    filter_eps: Optional[Union[float, Literal["auto"]]] = None
+    chunk_size: int | None = None
+    filter_eps: float | Literal["auto"] | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -89,8 +91,12 @@ class _CommonOptions:
         return dataclasses.replace(self, **changes)
 
 
+#: the former name, kept for code that imported it
+_CommonOptions = CommonOptions
+
+
 @dataclass(frozen=True)
-class CrossEntropyOptions(_CommonOptions):
+class CrossEntropyOptions(CommonOptions):
     """Options of :func:`cce_dist.linear_cross_entropy` and :class:`cce_dist.LinearCrossEntropy`.
 
     ignore_index     targets equal to it contribute 0 loss and no gradient (default -100)
@@ -116,7 +122,7 @@ class CrossEntropyOptions(_CommonOptions):
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     return_lse: bool = False
-    grad_in_forward: Optional[bool] = None
+    grad_in_forward: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -129,7 +135,7 @@ class CrossEntropyOptions(_CommonOptions):
 
 
 @dataclass(frozen=True)
-class LogprobOptions(_CommonOptions):
+class LogprobOptions(CommonOptions):
     """Options of :func:`cce_dist.linear_logprobs`.
 
     temperature     logits are divided by it (after the softcap), > 0

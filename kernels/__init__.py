@@ -17,6 +17,14 @@ import os
 
 __all__ = ["available", "row_stats", "grads"]
 
+# Capabilities (the cce_dist.backend.Backend protocol).
+NAME = "triton"
+FUSED_CHUNKING = False
+SUPPORTS_FILTERING = True
+DETERMINISTIC_OPTION = True  # the default backward uses float atomics
+ROW_STATS_OPTIONS: frozenset[str] = frozenset()
+GRADS_OPTIONS: frozenset[str] = frozenset()
+
 
 def _interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

@@ -1,0 +1,299 @@
+"""What every call does before and after the loss itself, shared by the eager and the compiled path.
+
+Before: validate the tensors (local checks only: no collective here), convert the targets to int64 ids and shift
+them, flatten to rows, choose the compute dtype, resolve the implementation and build its keyword options.
+After: reduce the per-row loss (``mean`` / ``sum`` / ``none``) and reshape the per-token outputs.
+
+Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer global ids). Under
+``shard.sequence_parallel`` hidden holds this rank's slice of the first dimension:
+``hidden.shape[0] * P == targets.shape[0]``.
+
+Nothing here touches autograd or process groups: :mod:`cce_dist.api` runs the handshake and the autograd
+Functions, :mod:`cce_dist.compile` the custom ops.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import torch_impl
+from .backend import Backend
+from .options import CommonOptions, CrossEntropyOptions, LogprobOptions
+
+__all__ = [
+    "Prepared",
+    "backend_kwargs",
+    "check_target_range",
+    "check_tensors",
+    "compute_dtype",
+    "cross_entropy_result",
+    "grad_needs",
+    "is_dtensor",
+    "logprob_result",
+    "prepare_rows",
+    "resolve_backend",
+    "resolve_deterministic",
+    "resolve_filter_eps",
+    "shift_targets",
+    "to_dtype",
+    "valid_id_range",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (local: runs on every rank before any collective)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_tensors(hidden: Any, weight: Any, targets: Any, bias: Any, opts: CommonOptions) -> None:
+    """Types, dtypes, shapes and devices of the arguments; raises TypeError / ValueError naming the argument."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    if bias is not None and not bias.is_floating_point():
+        raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor of class ids, got dtype {targets.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V_local, D], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension [..., D]")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must have shape [{weight.shape[0]}] (weight.shape[0]), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    shard = opts.shard
+    if shard is not None and weight.shape[0] != shard.local_size:
+        raise ValueError(
+            f"weight.shape[0] ({weight.shape[0]}) must equal the shard size stop - start = {shard.local_size}"
+        )
+    if shard is not None and shard.sequence_parallel and shard.world_size > 1:
+        if hidden.dim() < 2 or targets.dim() < 1:
+            raise ValueError("sequence_parallel needs hidden [n/P, ..., D] and targets [n, ...]")
+        want = (hidden.shape[0] * shard.world_size,) + tuple(hidden.shape[1:-1])
+        if tuple(targets.shape) != want:
+            raise ValueError(
+                f"under sequence parallelism targets must have shape {want} (hidden.shape[0] * tp_size, "
+                f"...), got {tuple(targets.shape)}"
+            )
+    elif tuple(hidden.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(
+            f"hidden.shape[:-1] {tuple(hidden.shape[:-1])} must equal targets.shape {tuple(targets.shape)}"
+        )
+
+
+def valid_id_range(targets: Tensor, ignore_index: int) -> tuple[int, int] | None:
+    """``(min, max)`` of the ids that are not ``ignore_index``, or None when there are none (reads to the host).
+
+    Compared as int64 whatever the targets' integer dtype: ``uint8`` targets compared with ``ignore_index=-100``
+    directly would wrap it to 156 and skip that id here while the loss reads it as a class."""
+    if targets.numel() == 0:
+        return None
+    targets = targets.to(torch.int64)
+    t = targets[targets != ignore_index]
+    if t.numel() == 0:
+        return None
+    return int(t.min().item()), int(t.max().item())
+
+
+def check_target_range(targets: Tensor, ignore_index: int, vocab_size: int | None) -> None:
+    """Targets must be ignore_index or in [0, vocab_size) (upper bound checked only if known)."""
+    ids = valid_id_range(targets, ignore_index)
+    if ids is None:
+        return
+    lo, hi = ids
+    if lo < 0:
+        raise ValueError(f"targets contain id {lo}: ids must be in [0, V) or equal ignore_index ({ignore_index})")
+    if vocab_size is not None and hi >= vocab_size:
+        raise ValueError(f"targets contain id {hi}, outside the vocabulary [0, {vocab_size})")
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    # Only look if DTensor was imported already (importing it costs seconds): a DTensor exists only then.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def grad_needs(hidden: Any, weight: Any, bias: Any) -> tuple[bool, bool, bool]:
+    """Which of hidden, weight, bias will receive a gradient (grad mode on and ``requires_grad``; False for None
+    or for a non-tensor argument that validation is about to reject)."""
+    on = torch.is_grad_enabled()
+    return (
+        on and bool(getattr(hidden, "requires_grad", False)),
+        on and bool(getattr(weight, "requires_grad", False)),
+        on and bool(getattr(bias, "requires_grad", False)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# targets, rows, dtype
+# ----------------------------------------------------------------------------------------------
+
+
+def shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
+    """Position i predicts target i + shift: a shifted copy of the (small) targets, never of hidden."""
+    if shift == 0:
+        return targets
+    out = torch.full_like(targets, ignore_index)
+    if targets.dim() and targets.shape[-1] > shift:
+        out[..., :-shift] = targets[..., shift:]
+    return out
+
+
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype of the logits GEMM: autocast's when autocast is on for hidden's device, else the weight's."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
+def to_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t.to(dtype)``, passing None (an absent bias) through."""
+    return None if t is None else t.to(dtype)
+
+
+class Prepared(NamedTuple):
+    """A call's inputs as rows: what both the eager and the compiled path hand to the loss."""
+
+    hidden: Tensor  # [N_local, D]: a view of the caller's hidden (never copied)
+    targets: Tensor  # int64 [N], shifted
+    shape: tuple[int, ...]  # the targets' shape: the shape of every per-token output
+    compute_dtype: torch.dtype
+
+
+def prepare_rows(
+    hidden: Any, weight: Any, targets: Any, bias: Any, opts: CommonOptions, *, check_ids: bool
+) -> Prepared:
+    """Validate (locally), convert the targets to int64 ids, shift them, flatten to rows.
+
+    ``check_ids``: also check the ids against the vocabulary this rank can know without a collective (the head's
+    rows without a shard, ``shard.stop`` for a one-rank group, only ``>= 0`` for a larger group); this reads the
+    ids to the host, so the compiled path checks them inside its op instead.
+    """
+    check_tensors(hidden, weight, targets, bias, opts)
+    t = targets.to(torch.int64)  # any integer dtype -> int64 ids, before any comparison with ignore_index
+    if check_ids:
+        shard = opts.shard
+        known_vocab = weight.shape[0] if shard is None else (shard.stop if shard.world_size == 1 else None)
+        check_target_range(t, opts.ignore_index, known_vocab)  # before the shift drops the first ids
+    t = shift_targets(t, opts.shift, opts.ignore_index)
+    d = hidden.shape[-1]
+    # not reshape(-1, d): with d == 0 the row count cannot be inferred from 0 elements
+    rows = hidden.reshape(math.prod(hidden.shape[:-1]), d)
+    return Prepared(rows, t.reshape(-1), tuple(targets.shape), compute_dtype(hidden, weight))
+
+
+# ----------------------------------------------------------------------------------------------
+# the implementation and its options
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = None) -> Backend:
+    """The implementation module for ``impl`` on ``device``. A zero hidden size (``hidden_dim == 0``: the logits are
+    the bias, or 0) always runs the torch implementation: its GEMMs handle the empty projection, the kernels do not
+    (the check that ``impl='triton'`` can run still applies)."""
+    if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return torch_impl
+    if hidden_dim == 0:
+        resolve_backend(impl, device)  # same errors as for a non-empty projection
+        return torch_impl
+    try:
+        from . import kernels  # type: ignore[attr-defined]  # mapped from kernels/ at install time
+    except ImportError as e:  # triton missing
+        if impl == "auto":
+            return torch_impl
+        raise RuntimeError(f"impl='triton' needs triton installed (pip install triton): {e}") from e
+    if impl == "auto":
+        return kernels if kernels.available() else torch_impl
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "impl='triton' on CPU tensors runs only in Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "triton is imported, or use impl='torch'"
+        )
+    return kernels
+
+
+def resolve_deterministic(requested: bool) -> bool:
+    """Deterministic when asked, or under torch.use_deterministic_algorithms (read when the loss is called)."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()
+
+
+def resolve_filter_eps(opts: CommonOptions, dtype: torch.dtype) -> float | None:
+    """The gradient filtering threshold for the compute dtype ``dtype`` (None = exact)."""
+    if opts.filter_eps == "auto":
+        # The CCE paper's choice for bf16 (2**-12), scaled to each dtype's resolution.
+        return torch.finfo(dtype).eps * 2.0**-5
+    return opts.filter_eps
+
+
+def backend_kwargs(
+    backend: Backend,
+    *,
+    chunk_size: int | None,
+    need_entropy: bool,
+    need_sum: bool,
+    filter_eps: float | None,
+    deterministic: bool,
+) -> dict[str, dict[str, Any]]:
+    """``{"row_stats": {...}, "grads": {...}}``: the keyword options ``backend`` takes beyond the contract
+    (:data:`~cce_dist.backend.Backend.ROW_STATS_OPTIONS` / ``GRADS_OPTIONS``), plus ``filter_eps`` and
+    ``deterministic`` where it honours them (``SUPPORTS_FILTERING`` / ``DETERMINISTIC_OPTION``).
+
+    ``deterministic`` is the requested flag; torch.use_deterministic_algorithms is read here."""
+    offered_row = {"chunk_size": chunk_size, "need_entropy": need_entropy, "need_sum": need_sum}
+    offered_grads: dict[str, Any] = {"chunk_size": chunk_size}
+    grads = {k: v for k, v in offered_grads.items() if k in backend.GRADS_OPTIONS}
+    if backend.SUPPORTS_FILTERING:
+        grads["filter_eps"] = filter_eps
+    if backend.DETERMINISTIC_OPTION:
+        grads["deterministic"] = resolve_deterministic(deterministic)
+    return {
+        "row_stats": {k: v for k, v in offered_row.items() if k in backend.ROW_STATS_OPTIONS},
+        "grads": grads,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# after the loss: reduction and output shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def cross_entropy_result(
+    loss_rows: Tensor, lse: Tensor | None, rows: Prepared, opts: CrossEntropyOptions
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The reduced loss (``mean`` over non-ignored rows, 0 when all are ignored; ``sum``; ``none``: targets'
+    shape), and with ``return_lse`` the lse in the targets' shape."""
+    if opts.reduction == "none":
+        loss = loss_rows.reshape(rows.shape)
+    elif opts.reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = loss_rows.sum() / (rows.targets != opts.ignore_index).sum().clamp(min=1)
+    if opts.return_lse:
+        assert lse is not None, "return_lse needs the lse rows"
+        return loss, lse.reshape(rows.shape)
+    return loss
+
+
+def logprob_result(lp: Tensor, ent: Tensor, rows: Prepared, opts: LogprobOptions) -> Tensor | tuple[Tensor, Tensor]:
+    """Logprobs (and with ``return_entropy`` the entropies) in the targets' shape."""
+    if opts.return_entropy:
+        return lp.reshape(rows.shape), ent.reshape(rows.shape)
+    return lp.reshape(rows.shape)
