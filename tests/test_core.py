@@ -1,6 +1,6 @@
 """Single-device tests of cce_dist against the materialized oracle (tests/oracle.py).
 
-Covers (issue 2): forward and backward (hidden, weight, bias) for every option and combinations
+Covers forward and backward (hidden, weight, bias) for every option and combinations
 of them, both schedules of the torch implementation (gradients formed in forward, and the
 recompute-in-backward path), reductions, per-token upstream gradients, shift, edge shapes,
 low-precision and mixed dtypes, autocast, non-negativity, no in-place writes, the module form,

@@ -1,4 +1,4 @@
-"""Distributed fault injection (issue 7): no silent wrong loss, no endless hang.
+"""Distributed fault injection: no silent wrong loss, no endless hang.
 
 Three spawns of gloo ranks:
 

@@ -1,4 +1,4 @@
-"""Numerics (issue 7): non-finite inputs, determinism, extremes. Single process.
+"""Numerics: non-finite inputs, determinism, extremes. Single process.
 
 - Non-finite inputs: NaN / +-Inf in hidden states, weights or bias come out non-finite in exactly
   the rows where the materialized program's are (never a finite wrong number), the other rows

@@ -1,4 +1,4 @@
-"""Vocab-parallel (tensor-parallel) tests on gloo ranks spawned from pytest (issue 3).
+"""Vocab-parallel (tensor-parallel) tests on gloo ranks spawned from pytest.
 
 Every spawned rank builds the same full problem from one seed (hidden ``[.., D]``, head ``W [V, D]``,
 bias ``b [V]``, targets, upstream gradients), keeps only its rows ``[start, stop)`` of ``W``/``b``
