@@ -10,13 +10,15 @@ Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first di
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 from torch import nn
 
 from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
-from .options import CommonOptions, CrossEntropyOptions, LogprobOptions
+from .options import CommonOptions, CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
 from .prepare import (
     Prepared,
@@ -176,6 +178,34 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
 # ----------------------------------------------------------------------------------------------
 
 
+# The return type follows return_lse / return_entropy. Each overload repeats the keyword list (typing needs it in
+# full); the implementation after them documents it.
+@overload
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
+    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
+    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: Literal[False] = ...,
+    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> Tensor: ...
+@overload
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
+    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
+    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: Literal[True],
+    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
+    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
+    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: bool = ...,
+    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -183,19 +213,19 @@ def linear_cross_entropy(
     *,
     bias: Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
     shift: bool | int = False,
     shard: VocabShard | None = None,
-    impl: str = "auto",
+    impl: Impl = "auto",
     return_lse: bool = False,
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
-    filter_eps: float | str | None = None,
+    filter_eps: FilterEps = None,
     deterministic: bool = False,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets`` without materializing logits.
 
     Computes exactly ``F.cross_entropy(F.linear(hidden, W, b), targets, ignore_index=...,
@@ -245,6 +275,29 @@ def linear_cross_entropy(
     return _cross_entropy(hidden, weight, targets, bias, opts)
 
 
+@overload
+def linear_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
+    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
+    impl: Impl = ..., return_entropy: Literal[False] = ..., chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> Tensor: ...
+@overload
+def linear_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
+    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
+    impl: Impl = ..., return_entropy: Literal[True], chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def linear_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
+    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
+    impl: Impl = ..., return_entropy: bool = ..., chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -256,12 +309,12 @@ def linear_logprobs(
     ignore_index: int = -100,
     shift: bool | int = False,
     shard: VocabShard | None = None,
-    impl: str = "auto",
+    impl: Impl = "auto",
     return_entropy: bool = False,
     chunk_size: int | None = None,
-    filter_eps: float | str | None = None,
+    filter_eps: FilterEps = None,
     deterministic: bool = False,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of each target (and optionally the entropy) without materializing logits.
 
     With ``z = softcap(hidden @ weight.T + bias) / temperature``: ``logprob = z_t - logsumexp(z)``
@@ -298,7 +351,9 @@ class LinearCrossEntropy(nn.Module):
         super().__init__()
         self.options = CrossEntropyOptions(**options)
 
-    def forward(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None):
+    def forward(
+        self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         return _cross_entropy(hidden, weight, targets, bias, self.options)
 
     def extra_repr(self) -> str:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "torch", "triton"]
+FilterEps = float | Literal["auto"] | None  # a threshold, "auto" or None (exact)
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "torch", "triton")
 
@@ -63,7 +64,7 @@ class CommonOptions:
     shard: VocabShard | None = None
     impl: Impl = "auto"
     chunk_size: int | None = None
-    filter_eps: float | Literal["auto"] | None = None
+    filter_eps: FilterEps = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:

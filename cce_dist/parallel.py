@@ -160,7 +160,8 @@ def targets_checksum(targets: torch.Tensor) -> tuple[int, int]:
         y = x * x % p
         y = (y ^ (y >> 16)) * k % p
         sums.append(y.sum())
-    return tuple(int(v) for v in torch.stack(sums).tolist())
+    first, second = (int(v) for v in torch.stack(sums).tolist())
+    return first, second
 
 
 # handshake vector fields
@@ -284,9 +285,14 @@ class Comm:
         dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
         return torch.cat([m.unsqueeze(1), rest], dim=1)
 
+    def _group_shard(self) -> Optional[VocabShard]:
+        """The shard when this call's collectives run (a group of more than one rank), else None."""
+        return self.shard if self.active else None
+
     def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sequence parallelism: all-gather ``[n/P, ...]`` along dim 0 into ``[n, ...]``."""
-        if not (self.active and self.shard.sequence_parallel):
+        shard = self._group_shard()
+        if shard is None or not shard.sequence_parallel:
             return hidden
         out = hidden.new_empty((self.world * hidden.shape[0],) + tuple(hidden.shape[1:]))
         dist.all_gather(list(out.chunk(self.world, 0)), hidden.contiguous(), group=self.group)
@@ -294,14 +300,15 @@ class Comm:
 
     def reduce_hidden_grad(self, dh: torch.Tensor) -> torch.Tensor:
         """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel) or none."""
-        if not self.active or not self.shard.reduce_hidden_grad:
+        shard = self._group_shard()
+        if shard is None or not shard.reduce_hidden_grad:
             return dh
-        if self.shard.sequence_parallel:
+        if shard.sequence_parallel:
             parts = list(dh.chunk(self.world, 0))
             out = torch.empty_like(parts[0])
             if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
                 dist.all_reduce(dh, group=self.group)
-                return parts[self.shard.rank].clone()
+                return parts[shard.rank].clone()
             dist.reduce_scatter(out, [p.contiguous() for p in parts], group=self.group)
             return out
         dist.all_reduce(dh, group=self.group)
