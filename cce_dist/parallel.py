@@ -285,7 +285,7 @@ class Comm:
         dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
         return torch.cat([m.unsqueeze(1), rest], dim=1)
 
-    def _group_shard(self) -> Optional[VocabShard]:
+    def _group_shard(self) -> VocabShard | None:
         """The shard when this call's collectives run (a group of more than one rank), else None."""
         return self.shard if self.active else None
 
