@@ -163,10 +163,17 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     Forward forms the gradients for an upstream gradient of a power of two near 1 per valid row (``unit`` times the
     mean's ``1 / n_valid``), so a logit gradient rounded to a low-precision compute dtype keeps its bits instead of
-    sinking into that dtype's subnormals at ``1 / n_valid``. It holds them in their float32 accumulators until
-    backward, which multiplies them by the upstream scalar divided by ``unit`` and only then rounds them to each
-    tensor's dtype: a loss scale (GradScaler's ``(loss * 2**k).backward()``) is applied before the rounding, never to
-    an fp16 gradient or as an fp16 number. The graph supports a single backward (a second raises).
+    sinking into that dtype's subnormals at ``1 / n_valid``. It holds them (``ctx.grads``) until backward, which
+    multiplies them in float32 by the upstream scalar divided by ``unit`` and rounds once to each tensor's dtype:
+
+    - float16 tensors: held as their float32 accumulators. fp16's narrow exponent range would overflow or flush a
+      gradient scaled by a loss scale (GradScaler's ``(loss * 2**k).backward()``), so the scale is applied before
+      the rounding, never to an fp16 gradient or as an fp16 number.
+    - bfloat16 / float32 tensors: held in their own dtype at the ``unit`` scale (a bf16 head holds half the bytes
+      of float32). bf16 has float32's exponent range, and ``g / unit`` is a power of two for the scales GradScaler
+      uses, so multiplying the bf16 value is exact: the same result as rounding the scaled float32 value once.
+
+    The graph supports a single backward (a second raises).
     """
 
     @staticmethod
@@ -180,7 +187,7 @@ class FusedCrossEntropy(torch.autograd.Function):
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
             unit = 2.0 ** (1 - math.frexp(scale)[1])  # scale * unit in [1, 2); a power of two, so exact to undo
-            kw = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+            kw: dict[str, Any] = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
             loss_rows, _, dh, dw, db = fused_cross_entropy(
                 h, w, b, targets, valid, scale * unit,
@@ -194,8 +201,8 @@ class FusedCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale
-        ctx.grads = [dh, dw, db]  # float32 (the accumulators), times unit
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.grads = [None if t is None else t.to(_held_dtype(dtype)) for t, dtype in zip((dh, dw, db), ctx.grad_dtypes)]
         ctx.inv_unit = 1.0 / unit
         return loss
 
@@ -212,6 +219,16 @@ class FusedCrossEntropy(torch.autograd.Function):
         factor = g.to(torch.float32) * ctx.inv_unit  # float32: a loss scale of 2**16 is inf as an fp16 number
         out = []
         for t, dtype in zip(grads, ctx.grad_dtypes):
-            # the accumulator is ours: scale in place in float32, then round once to the tensor's dtype
-            out.append(None if t is None else t.mul_(factor).to(dtype))
+            if t is None:
+                out.append(None)
+            elif t.dtype == torch.float32:  # ours (an accumulator): scale in place, then round once to the dtype
+                out.append(t.mul_(factor).to(dtype))
+            else:  # held in the tensor's own dtype: multiply in float32, round once
+                out.append((t.float() * factor).to(dtype))
         return tuple(out) + (None, None, None)
+
+
+def _held_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :class:`FusedCrossEntropy` holds a gradient in from forward to backward: bfloat16 for bfloat16
+    tensors, else float32 (float16: its exponent range; float32: its own; float64: as accumulated)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

@@ -288,6 +288,37 @@ def test_loss_scaling_compiled(dtype_name):
     _loss_scaling_case(fn, dtype_name, 512, 16, 128, SCALES)
 
 
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_fused_holds_gradients_in_their_own_dtype_except_fp16(dtype_name):
+    """grad_in_forward holds dH, dW, db from forward to backward: in float32 only for float16 tensors (a scaled fp16
+    gradient can overflow or underflow), in the tensor's own dtype otherwise (a bf16 head holds bf16: half the bytes
+    of float32). Counts the held bytes on the graph node, then checks the gradients against the float64 oracle."""
+    hdt, wdt = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(9)
+    h0 = torch.randn(N, D, generator=g).to(hdt)
+    w0 = (torch.randn(V, D, generator=g) / D**0.5).to(wdt)
+    b0 = (0.1 * torch.randn(V, generator=g)).to(wdt)
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3] = -100
+    h, w, b = (x.clone().requires_grad_(True) for x in (h0, w0, b0))
+    loss = objective("mean", h, w, t, b, impl="torch")  # a scalar loss: the gradients are formed in forward
+    held = loss.grad_fn.grads  # the FusedCrossEntropy node holds the gradients formed in forward
+    want = [torch.float32 if dt == torch.float16 else dt for dt in (hdt, wdt, wdt)]
+    assert [x.dtype for x in held] == want
+    held_bytes = sum(x.numel() * x.element_size() for x in held)
+    want_bytes = sum(x.numel() * (4 if x.dtype == torch.float16 else x.element_size()) for x in (h0, w0, b0))
+    assert held_bytes == want_bytes, (held_bytes, want_bytes)
+    (loss * 2.0**10).backward()
+    _, ref_h, ref_w, ref_b = oracle_grads("mean", h0, w0, t, b0)
+    # one rounding to the dtype of a float32-accumulated gradient: 2 ulps of bf16 / fp16 (2**-7 / 2**-10 relative)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+    for name, got, ref, dt in (("hidden", h.grad, ref_h, hdt), ("weight", w.grad, ref_w, wdt),
+                               ("bias", b.grad, ref_b, wdt)):
+        assert got.dtype == dt, name
+        torch.testing.assert_close(got.double() / 2.0**10, ref, rtol=tol[dt], atol=tol[dt] * float(ref.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 # ----------------------------------------------------------------------------------------------
 # zero hidden size
 # ----------------------------------------------------------------------------------------------
