@@ -187,7 +187,9 @@ class FusedCrossEntropy(torch.autograd.Function):
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
             unit = 2.0 ** (1 - math.frexp(scale)[1])  # scale * unit in [1, 2); a power of two, so exact to undo
-            kw: dict[str, Any] = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+            kw: dict[str, Any] = dict(
+                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
+            )
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
             loss_rows, _, dh, dw, db = fused_cross_entropy(
                 h, w, b, targets, valid, scale * unit,
