@@ -255,9 +255,10 @@ def linear_cross_entropy(
         chunk_size: torch impl: logits (tokens x vocab entries) held at once (memory/speed knob);
             None = ``max(2**24, 256 * V_local)`` (at least 256 tokens per chunk).
         grad_in_forward: torch impl: for a scalar loss with gradients, form the gradients during
-            forward (3 GEMMs instead of 4; a single backward; the float32 gradients are held until
-            backward, which applies the upstream gradient, e.g. a loss scale, before rounding them
-            to each tensor's dtype). None = whenever it applies.
+            forward (3 GEMMs instead of 4; a single backward; the gradients are held until backward,
+            in float32 for float16 tensors and in their own dtype otherwise, and backward applies the
+            upstream gradient, e.g. a loss scale, in float32 before rounding them once to each
+            tensor's dtype). None = whenever it applies.
         filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
         deterministic: triton impl: bitwise reproducible backward (no float atomics).
 
