@@ -86,12 +86,32 @@ class Backend(Protocol):
     GRADS_OPTIONS: frozenset[str]
 
     def row_stats(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, vocab_start: int,
-        softcap: float | None, temperature: float,
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        *,
+        vocab_start: int,
+        softcap: float | None,
+        temperature: float,
     ) -> Tensor: ...
 
     def grads(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, coef: Tensor, *,
-        vocab_start: int, softcap: float | None, temperature: float, need_hidden: bool, need_weight: bool,
-        need_bias: bool, filter_eps: float | None = None, deterministic: bool = False,
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        lse: Tensor,
+        coef: Tensor,
+        *,
+        vocab_start: int,
+        softcap: float | None,
+        temperature: float,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+        filter_eps: float | None = None,
+        deterministic: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...
