@@ -183,7 +183,8 @@ def test_activation_checkpointing(path, impl, reentrant):
     ref = _oracle_tanh_grads(path, h, w, t, b)
     for name, x, y in zip(("value", "d_hidden", "d_weight", "d_bias"), got, ref):
         # float32 computation against float64: a few float32 roundings of O(1) quantities
-        torch.testing.assert_close(x.double(), y.double(), rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(x.double(), y.double(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------------------------------
