@@ -256,8 +256,7 @@ def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need:
         gc = g[sl]
         if not bool(gc.any()):
             continue
-        k = heads.n_stats
-        _, _, dz = chunk(heads, buf, sl, lambda _, sl=sl: stats[sl].transpose(0, 1).reshape(k * gc.shape[0], -1),
-                         lambda _, sl=sl: rows[sl], gc)
+        saved_stats = stats[sl].transpose(0, 1).reshape(-1, S.NUM_STATS)  # the [k * n, NUM_STATS] of forward
+        _, _, dz = chunk(heads, buf, sl, lambda _, s=saved_stats: s, lambda _, r=rows[sl]: r, gc)
         _accumulate(acc, heads, dz, gc, sl)
     return acc.result()
