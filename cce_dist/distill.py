@@ -15,25 +15,11 @@ import torch
 
 from .api import _check_target_range, _compute_dtype, _grad_needs
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
-from .options import DEFAULT_CHUNK_SIZE, DistillationOptions
+from .options import DistillationOptions
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
+from .torch_impl import chunk_tokens
 
 Tensor = torch.Tensor
-
-#: ``chunk_size=None``: logits of one head per token chunk. A chunk holds four float32 blocks of
-#: this size (both heads' logits and probabilities), so a quarter of the cross-entropy's default
-#: keeps the same peak; never fewer than 64 tokens (thin GEMMs are slow).
-DISTILL_CHUNK_SIZE = DEFAULT_CHUNK_SIZE // 4
-MIN_DISTILL_CHUNK_TOKENS = 64
-
-
-def distill_chunk_tokens(n_tokens: int, v_local: int, chunk_size: Optional[int]) -> int:
-    """Tokens per chunk: ``chunk_size // v_local`` (at least 1), or for None
-    ``max(DISTILL_CHUNK_SIZE // v_local, MIN_DISTILL_CHUNK_TOKENS)``; at most ``n_tokens``."""
-    v = max(v_local, 1)
-    step = max(DISTILL_CHUNK_SIZE // v, MIN_DISTILL_CHUNK_TOKENS) if chunk_size is None else chunk_size // v
-    return max(1, min(max(n_tokens, 1), step))
-
 
 def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
     """Local checks (every rank, before any collective); errors name the argument."""
@@ -146,7 +132,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
         valid = t1 != opts.ignore_index
     plan = DistillPlan(student_dtype=s_dtype, teacher_dtype=t_dtype, vocab_start=0 if shard is None else shard.start,
                        comm=Comm(shard, layout),
-                       step=distill_chunk_tokens(n, layout.max_local, opts.chunk_size))
+                       step=chunk_tokens(n, layout.max_local, opts.chunk_size))
     h2, th2 = sh.reshape(-1, sh.shape[-1]), th.detach().reshape(-1, th.shape[-1])
     tw, tb = tw.detach(), None if tb is None else tb.detach()
     if fused:
@@ -216,7 +202,9 @@ def linear_distillation(
         softcap: None, one number for both heads, or ``(student, teacher)``.
         shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None.
         impl: ``"auto"`` or ``"torch"`` (any device).
-        chunk_size: logits per head per token chunk (None: ``max(2**22, 64 * V_local)``).
+        chunk_size: logits per head per token chunk, as for the cross-entropy (None:
+            ``max(2**24, 256 * V_local)``); a chunk holds three (forward KL) or four float32
+            blocks of that size (plus the softcap's tanh), never an ``[N, V]`` one.
         grad_in_forward: for a scalar loss with gradients, form them during forward (one pass
             over the teacher; a single backward). None = whenever it applies.
 

@@ -86,10 +86,19 @@ class Heads:
 
 
 class _Buffers:
-    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl._Block`)."""
+    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl._Block`),
+    made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four."""
 
     def __init__(self, v_local: int, step: int, device: torch.device):
-        self.zs, self.zt, self.ps, self.pt = (_Block(v_local, step, device) for _ in range(4))
+        self._args = (v_local, step, device)
+        self._blocks: dict[str, _Block] = {}
+
+    def __getattr__(self, name: str) -> _Block:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._blocks:
+            self._blocks[name] = _Block(*self._args)
+        return self._blocks[name]
 
 
 def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
@@ -139,53 +148,77 @@ def chunk(
         return glob.transpose(0, 1), rows, None
     zs, th = logits_t(heads.hs[sl], heads.ws, heads.bs, o.student_softcap, 1.0, buf.zs, heads.round_s)
     zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
-    ps, pt = buf.ps.view(n), buf.pt.view(n)
+    pt = buf.pt.view(n)
     t_rows = t_cols = None
     if hard:  # the student's logits at T=1: lse1 and the target logit
         t_rows, t_cols = _target_cols(heads.targets[sl], heads.vocab_start, v)
         local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
-        m1 = _head_stats(zs, ps, local[2])
+        m1 = _head_stats(zs, pt, local[2])
         zs.add_(m1)
     if temp != 1.0:
         zs.div_(temp)
-    m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
-    m_t = _head_stats(zt, pt, local[1])
+    a = None
+    if o.divergence == "kl":  # three blocks: zs, zt, pt
+        m_s = zs.amax(0)
+        zs.sub_(m_s)
+        m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
+        a = zt.sub_(zs).mul_(pt).sum(0)  # sum e_t (zt - zs), this shard's, relative to its maxima
+        ps = zs.exp_()  # e_s, in place
+        local[0, :, S.MAX] = m_s
+        local[0, :, S.SUMEXP] = ps.sum(0)
+    else:
+        ps = buf.ps.view(n)
+        m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
+        m_t = _head_stats(zt, pt, local[1])
+    s_t_local = local[1, :, S.SUMEXP].clone()
     glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
     lse_s, lse_t = S.lse(glob[0]), S.lse(glob[1])
-    zs.sub_(lse_s - m_s)  # log p_s
-    ps.mul_(torch.exp(m_s - lse_s))  # p_s
-    zt.sub_(lse_t - m_t)
-    pt.mul_(torch.exp(m_t - lse_t))
-    p1 = None
-    if hard and g is not None:  # p1 = exp(z1 - lse1) with z1 = T * (log p_s + lse_s)
-        p1 = ps if temp == 1.0 else torch.exp(zs * temp + (temp * lse_s - S.lse(glob[2])))
+    c_s, c_t = torch.exp(m_s - lse_s), torch.exp(m_t - lse_t)  # p = exp(z - m) * c
+    gs = wg = p1 = None
+    if g is not None:
+        gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp)
+        if hard:
+            wg = g * o.hard_label_weight
+            if temp != 1.0:  # p1 = exp(z1 - lse1) with z1 = T * (zs + m_s) = e_s**T * exp(T m_s - lse1); T=1: p_s
+                p1 = torch.pow(ps, temp).mul_(torch.exp(temp * m_s - S.lse(glob[2])))
     local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
     if o.divergence == "kl":
-        local_rows[:, 0] = zt.sub_(zs).mul_(pt).sum(0)
+        # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) * c_t * s_t
+        local_rows[:, 0] = c_t * a + ((m_t - lse_t) - (m_s - lse_s)) * (c_t * s_t_local)
         rows = reduce_rows(local_rows)
-        dz = pt.sub_(ps).neg_() if g is not None else None  # p_s - p_t, into pt: p_s may be p1
-    elif o.divergence == "reverse_kl":
-        zs.sub_(zt)  # log p_s - log p_t
-        local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
-        rows = reduce_rows(local_rows)
-        dz = zs.sub_(rows[:, 0]).mul_(ps) if g is not None else None
+        if g is None:
+            return glob.transpose(0, 1), rows, None
+        # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
+        a_s = c_s * (gs + wg) if (wg is not None and p1 is None) else c_s * gs
+        dz = ps.mul_(a_s).addcmul_(pt, -(c_t * gs))
     else:
-        lb, l1b = math.log(o.beta), math.log1p(-o.beta)
-        lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
-        zs.sub_(lm).sub_(l1b)  # log p_s - log M
-        zt.sub_(lm).sub_(lb)  # log p_t - log M
-        local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
-        local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
-        del lm
-        rows = reduce_rows(local_rows)
-        dz = zs.sub_(rows[:, 1]).mul_(ps) if g is not None else None
-    if g is None:
-        return glob.transpose(0, 1), rows, None
-    c_soft = o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp
-    dz.mul_(g * c_soft)
-    if hard:
-        wg = g * o.hard_label_weight
+        zs.sub_(lse_s - m_s)  # log p_s
+        ps.mul_(c_s)  # p_s
+        zt.sub_(lse_t - m_t)
+        pt.mul_(c_t)
+        if o.divergence == "reverse_kl":
+            zs.sub_(zt)  # log p_s - log p_t
+            local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
+            rows = reduce_rows(local_rows)
+            dz = zs.sub_(rows[:, 0]).mul_(ps) if g is not None else None
+        else:
+            lb, l1b = math.log(o.beta), math.log1p(-o.beta)
+            lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
+            zs.sub_(lm).sub_(l1b)  # log p_s - log M
+            zt.sub_(lm).sub_(lb)  # log p_t - log M
+            local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
+            local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
+            del lm
+            rows = reduce_rows(local_rows)
+            dz = zs.sub_(rows[:, 1]).mul_(ps) if g is not None else None
+        if g is None:
+            return glob.transpose(0, 1), rows, None
+        dz.mul_(gs)
+        if wg is not None and p1 is None:
+            p1 = ps
+    if p1 is not None:
         dz.addcmul_(p1, wg)
+    if wg is not None:
         dz[t_rows, t_cols] -= wg[t_cols]
     if th is not None:
         dz.mul_(th.square_().neg_().add_(1.0))

@@ -184,8 +184,9 @@ class DistillationOptions:
     shard             a :class:`cce_dist.VocabShard` (both heads hold the same vocab rows), or None
     impl              "auto" or "torch" (the torch implementation on any device); "triton" is not
                       implemented for distillation yet
-    chunk_size        logits of one head held at once (tokens x vocab entries), None = the default
-                      of :mod:`cce_dist.options` for the cross-entropy
+    chunk_size        logits of one head per token chunk (tokens x vocab entries), None = the
+                      cross-entropy's default (``DEFAULT_CHUNK_SIZE``, at least ``MIN_CHUNK_TOKENS``
+                      tokens); a chunk holds 3 (forward KL) or 4 float32 blocks of that size
     grad_in_forward   form the student's gradients during forward when the loss is a scalar (the
                       teacher's logits are computed once instead of twice); None = whenever it applies
     """

@@ -15,7 +15,6 @@ import torch
 from test_distill_oracle import oracle_distill
 
 from cce_dist import DistillationOptions, InputError, linear_distillation  # noqa: F401 (InputError: API check)
-from cce_dist.distill import distill_chunk_tokens
 
 N_SHAPE = (3, 4)
 DS, DT, V = 8, 12, 11
@@ -205,14 +204,6 @@ def test_saved_tensors_hold_no_logits_block():
             numel *= s
         assert numel < n * v, f"a saved tensor of shape {shape} is as large as an [N, V] block"
     assert out.shape == (n,)
-
-
-def test_chunk_tokens():
-    assert distill_chunk_tokens(10_000, 65536, None) == 64  # 2**22 // 65536
-    assert distill_chunk_tokens(10_000, 1000, None) == 4194  # 2**22 // 1000
-    assert distill_chunk_tokens(10, 1000, None) == 10
-    assert distill_chunk_tokens(100, 11, 55) == 5
-    assert distill_chunk_tokens(100, 11, 3) == 1
 
 
 # ----------------------------------------------------------------------------------------------
