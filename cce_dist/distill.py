@@ -15,7 +15,7 @@ import torch
 
 from .api import _check_target_range, _compute_dtype, _grad_needs
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
-from .options import DistillationOptions
+from .options import DistillationOptions, Divergence, Impl, Reduction
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
 from .torch_impl import chunk_tokens
 
@@ -122,7 +122,8 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
                              "holds the same vocabulary rows of both heads")
         layout = handshake(shard, error, n_tokens=n_tokens, n_local_tokens=n_local,
                            hidden_dim=sh.shape[-1] if error is None else 0, options_fp=fp, targets=t,
-                           ignore_index=opts.ignore_index, device=sh.device if isinstance(sh, Tensor) else "cpu")
+                           ignore_index=opts.ignore_index, device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"))
+    assert s_dtype is not None and t_dtype is not None  # an input error was raised above
     n = layout.n_tokens
     if t is None:
         t1 = torch.full((n,), -1, dtype=torch.long, device=sh.device)
@@ -152,18 +153,18 @@ def linear_distillation(
     teacher_weight: Tensor,
     targets: Optional[Tensor] = None,
     *,
-    divergence: str = "kl",
+    divergence: Divergence = "kl",
     beta: float = 0.5,
     temperature: float = 1.0,
     scale_by_temperature_squared: bool = True,
     hard_label_weight: float = 0.0,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     student_bias: Optional[Tensor] = None,
     teacher_bias: Optional[Tensor] = None,
     softcap: Union[None, float, tuple] = None,
     shard: Optional[VocabShard] = None,
-    impl: str = "auto",
+    impl: Impl = "auto",
     chunk_size: Optional[int] = None,
     grad_in_forward: Optional[bool] = None,
 ):

@@ -258,3 +258,26 @@ def test_input_errors():
         args = {**base, **change}
         with pytest.raises((TypeError, ValueError), match=match):
             linear_distillation(**args)
+
+
+@pytest.mark.parametrize("div,blocks", [("kl", 3), ("reverse_kl", 4), ("jsd", 4)])
+def test_chunk_buffers_are_chunk_sized(monkeypatch, div, blocks):
+    """Each call holds a few [V_local, step] float32 blocks (3 for the forward KL), never [N, V]."""
+    import cce_dist.distill_torch as DTM
+
+    made = []
+
+    class Counting(DTM._Block):
+        def __init__(self, v_local, max_tokens, device):
+            made.append((v_local, max_tokens))
+            super().__init__(v_local, max_tokens, device)
+
+    monkeypatch.setattr(DTM, "_Block", Counting)
+    n, v, step = 40, 37, 8
+    g = torch.Generator().manual_seed(0)
+    sh = torch.randn(n, DS, generator=g, requires_grad=True)
+    sw = torch.randn(v, DS, generator=g, requires_grad=True)
+    th, tw = torch.randn(n, DT, generator=g), torch.randn(v, DT, generator=g)
+    loss = linear_distillation(sh, sw, th, tw, divergence=div, chunk_size=v * step)
+    loss.backward()
+    assert made == [(v, step)] * blocks, made
