@@ -127,7 +127,7 @@ def run_child(spec: dict, timeout: float = 1800) -> dict:
 
 
 def check_numbers(log) -> dict:
-    """The compared programs compute the same loss (a tiny shape, float64 agreement to float32 ulps)."""
+    """The compared programs compute the same loss (a tiny shape; float32 programs, so agreement to ~1e-6)."""
     import cce_dist
 
     hs, ws, ht, wt = make_inputs(64, 32, 48, 1000, seed=3)
@@ -135,8 +135,10 @@ def check_numbers(log) -> dict:
     for name, ref in BASELINE.items():
         divergence = VARIANTS[name][0]
         kw = dict(beta=BETA, scale_by_temperature_squared=False) if divergence == "jsd" else {}
-        a = float(cce_dist.linear_distillation(hs, ws, ht, wt, divergence=divergence, temperature=TEMPERATURE, **kw))
-        b = float(materialized_loss(divergence, hs, ws, ht, wt))
+        with torch.no_grad():
+            a = float(cce_dist.linear_distillation(hs, ws, ht, wt, divergence=divergence, temperature=TEMPERATURE,
+                                                   **kw))
+            b = float(materialized_loss(divergence, hs, ws, ht, wt))
         out[name] = {"cce": a, "materialized": b, "rel_diff": abs(a - b) / abs(b)}
         log(f"  same loss {name}: {a:.7f} vs {ref} {b:.7f}")
     return out
