@@ -183,7 +183,8 @@ def main() -> None:
         r["cpu_time_ratio"] = r["median_cpu_s"] / b["median_cpu_s"]
         m, bm = r["memory"], b["memory"]
         r["mem_ratio"] = m["growth_bytes"] / bm["growth_bytes"]
-        r["mem_ratio_minus_grads"] = (m["growth_bytes"] - m["grad_bytes"]) / max(bm["growth_bytes"] - bm["grad_bytes"], 1)
+        r["mem_ratio_minus_grads"] = (m["growth_bytes"] - m["grad_bytes"]) / max(
+            bm["growth_bytes"] - bm["grad_bytes"], 1)
     payload["rows"] = rows
     C.close_env(env, started)
     md = render_markdown(payload)

@@ -122,7 +122,8 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
                              "holds the same vocabulary rows of both heads")
         layout = handshake(shard, error, n_tokens=n_tokens, n_local_tokens=n_local,
                            hidden_dim=sh.shape[-1] if error is None else 0, options_fp=fp, targets=t,
-                           ignore_index=opts.ignore_index, device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"))
+                           ignore_index=opts.ignore_index,
+                           device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"))
     assert s_dtype is not None and t_dtype is not None  # an input error was raised above
     n = layout.n_tokens
     if t is None:

@@ -48,7 +48,8 @@ def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
 
 
 class DistillRows(torch.autograd.Function):
-    """``(h_s [n, D_s], W_s [V_local, D_s], b_s, h_t [n, D_t], W_t, b_t, targets [N], valid [N]) -> loss float32 [N]``."""
+    """``(h_s [n, D_s], W_s [V_local, D_s], b_s, h_t [n, D_t], W_t, b_t, targets [N], valid [N])``
+    ``-> loss float32 [N]``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, targets, valid, plan: DistillPlan,

@@ -281,3 +281,20 @@ def test_chunk_buffers_are_chunk_sized(monkeypatch, div, blocks):
     loss = linear_distillation(sh, sw, th, tw, divergence=div, chunk_size=v * step)
     loss.backward()
     assert made == [(v, step)] * blocks, made
+
+
+def test_autocast_projects_both_heads_in_the_autocast_dtype():
+    """Under CPU autocast(bf16) each head's logits are rounded to bf16 (what the materialized program
+    under autocast computes); everything after is float32, gradients come back float32. The loss
+    is then exact up to float32 accumulation; gradients pass through bf16 GEMMs on both sides
+    (2**-8 relative rounding): 2e-2 of their scale."""
+    sh, sw, sb, th, tw, tb, t = make(12)
+    kw = dict(divergence="reverse_kl", temperature=1.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
+    ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, student_dtype=torch.bfloat16,
+                         teacher_dtype=torch.bfloat16, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(student_grads(out, sh, sw, sb), student_grads(ref, sh, sw, sb)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b.double(), rtol=2e-2, atol=2e-2 * float(b.abs().max()))

@@ -65,7 +65,9 @@ def _body(rank, world, group, layouts, sequence_parallel):
             h_loc = sh[sl].clone().unsqueeze(1).requires_grad_()  # [n/P, 1, D]: SP splits dim 0
             w_loc = sw[start:stop].clone().requires_grad_()
             b_loc = sb[start:stop].clone().requires_grad_()
-            out = linear_distillation(h_loc, w_loc, th[sl].unsqueeze(1), tw[start:stop], t.unsqueeze(1),
+            targets = None if i in (4, 9) else t  # reverse_kl / mean and jsd / none without targets (no hard term)
+            out = linear_distillation(h_loc, w_loc, th[sl].unsqueeze(1), tw[start:stop],
+                                      None if targets is None else targets.unsqueeze(1),
                                       student_bias=b_loc, teacher_bias=tb[start:stop], shard=shard,
                                       chunk_size=CHUNK, grad_in_forward=gif, **kw)
             up_loc = up.unsqueeze(1) if kw["reduction"] == "none" else None
@@ -73,10 +75,11 @@ def _body(rank, world, group, layouts, sequence_parallel):
             shf = sh.double().requires_grad_()
             swf = sw.double().requires_grad_()
             sbf = sb.double().requires_grad_()
-            ref = oracle_distill(shf, swf, th.double(), tw.double(), t, student_bias=sbf, teacher_bias=tb.double(),
+            ref = oracle_distill(shf, swf, th.double(), tw.double(), targets, student_bias=sbf,
+                                 teacher_bias=tb.double(),
                                  **kw)
             rh, rw, rb = torch.autograd.grad(ref, [shf, swf, sbf], grad_outputs=None if up_loc is None else up.double())
-            name = f"layout={layout} {kw} {collective} gif={gif}"
+            name = f"layout={layout} {kw} {collective} gif={gif} targets={targets is not None}"
             checks = [("loss", out.reshape(-1), ref.reshape(-1)), ("dH", gh.reshape(-1, DS), rh[sl]),
                       ("dW", gw, rw[start:stop]), ("db", gb, rb[start:stop])]
             for what, a, b in checks:
