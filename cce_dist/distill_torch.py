@@ -19,7 +19,9 @@ gradients w.r.t. the student's soft logits ``z_s`` are
 - ``jsd``         ``lm = log(beta p_t + (1-beta) p_s)``, ``K = sum p_s (ls - lm)``,
                   ``D = beta sum p_t (lt - lm) + (1-beta) K``;     ``dD/dz_s = (1-beta) p_s (ls - lm - K)``
 
-and the hard term ``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw
+(the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
+``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) c_t s_t`` with
+``c = exp(m - lse)``, which lets it run in three blocks), and the hard term ``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw
 logits' gradient is then chained through ``1/T`` and the softcap. Backward (per-row upstream
 gradients) recomputes a chunk from the saved global statistics and rows: no collective but the
 caller's dH reduction.
