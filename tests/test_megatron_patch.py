@@ -1,0 +1,347 @@
+"""cce_dist.megatron.patch on a real megatron-core GPTModel, on CPU gloo at tp=1 and tp=2.
+
+Each case builds a tiny GPTModel (2 layers, hidden 64, 4 heads, local layer spec, CPU
+initialization, no dropout, float32; real vocab 1001 padded to a multiple of tp: 1001 rows at
+tp=1, 2 x 501 at tp=2) and runs megatron-core's own forward / _postprocess / MTP code twice: once
+unpatched (the reference) and once patched. The per-token loss [b, s], every parameter's gradient
+(of Megatron's masked-mean loss) and, with multi-token prediction, Megatron's MTP loss log must
+agree; the patched forward must save no [s, b, V/tp] tensor for backward (the logits and their
+softmax). Without labels and in eval the patched model must return what the unpatched one does,
+and unpatch must restore the instance exactly.
+
+What needs CUDA in megatron-core 0.16 and how it is stood in for, in the rank processes only:
+- ``torch.cuda.current_device`` returns the CPU device: megatron's sequence-parallel
+  all-gather / reduce-scatter buffers and the MTP loss tracker are allocated on it;
+- the RNG tracker is megatron's own inference tracker (``initialize_rng_tracker(
+  inference_rng_tracker=True)``), whose fork is a no-op: dropout is 0, so no RNG is drawn.
+Everything else (embedding, attention, MLP, output layer, _postprocess, roll_tensor,
+MTPLossAutoScaler, the vocab-parallel cross-entropy) is megatron-core's unchanged code.
+
+GPTModel's output layer has no bias; the "bias" cases swap in a ColumnParallelLinear with one
+(same config), which megatron's _postprocess then calls as its output layer.
+
+All cases of one tensor-parallel size run in ONE spawn (each spawn imports torch + megatron-core,
+~15-40 s on this machine); each case is still its own pytest item, reading its outcome from that
+spawn.
+"""
+
+import math
+import traceback
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from dist_utils import run_ranks  # noqa: E402
+
+B, S, H, HEADS, V_REAL = 2, 16, 64, 4, 1001
+MTP_LAYERS = 2
+
+# name: (tp, sequence_parallel, mtp, tied, extra)
+CASES = {
+    "tp1-untied": (1, False, False, False, ""),
+    "tp1-tied": (1, False, False, True, ""),
+    "tp1-mtp-untied": (1, False, True, False, ""),
+    "tp1-mtp-tied": (1, False, True, True, ""),
+    "tp1-mtp-bias": (1, False, True, False, "bias"),
+    "tp2-untied": (2, False, False, False, ""),
+    "tp2-tied": (2, False, False, True, ""),
+    "tp2-mtp-untied": (2, False, True, False, ""),
+    "tp2-mtp-tied": (2, False, True, True, ""),
+    "tp2-sp-untied": (2, True, False, False, ""),
+    "tp2-sp-tied": (2, True, False, True, ""),
+    "tp2-sp-mtp-untied": (2, True, True, False, ""),
+    "tp2-sp-mtp-tied": (2, True, True, True, ""),
+    "tp2-sp-mtp-bias": (2, True, True, False, "bias"),
+    "tp2-sp-mtp-per-token-loss": (2, True, True, True, "per_token_loss"),
+    "tp2-sp-z-loss": (2, True, False, False, "z_loss"),
+    "tp2-refusals": (2, False, False, False, "refusals"),
+}
+
+# float32 throughout. The loss: cce_dist and Megatron both form the fp32 logits of a 64-long dot
+# product and a logsumexp over 1001 entries, in different orders (chunked online logsumexp vs max,
+# exp, sum): ~1e-7 relative on a loss of ~7. Gradients: the softmax - onehot difference is exact
+# to fp32 rounding (~1e-7), then flows back through the same Megatron graph (2 layers + MTP); both
+# sums over tokens/vocab are fp32 in different orders. atol is relative to each tensor's largest
+# entry so tiny gradients (layernorm biases, ~1e-4) are held to the same relative standard.
+LOSS_ATOL, LOSS_RTOL = 2e-5, 1e-5
+GRAD_RTOL, GRAD_ATOL_REL = 1e-4, 1e-5
+
+
+def _close(name, got, want, atol, rtol):
+    import torch
+
+    assert got is not None, f"{name}: missing"
+    assert want is not None, f"{name}: missing in the reference"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    assert torch.allclose(got, want, atol=atol, rtol=rtol), f"{name}: max abs err {err:.3g} (atol {atol:.3g})"
+
+
+def _stand_ins():
+    import torch
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _build(tp, sp, mtp, tied, extra):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=H, num_attention_heads=HEADS, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=sp,
+        mtp_num_layers=MTP_LAYERS if mtp else None, calculate_per_token_loss=extra == "per_token_loss",
+        params_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec()
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp else None
+    vocab = math.ceil(V_REAL / tp) * tp  # Megatron's padding of the vocab to the tp size
+    torch.manual_seed(1234)  # CPU initialization draws each full weight on every rank, then splits it
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=S,
+                     share_embeddings_and_output_weights=tied, mtp_block_spec=mtp_spec)
+    if extra == "bias":
+        layer = ColumnParallelLinear(H, vocab, config=config, init_method=config.init_method, bias=True,
+                                     gather_output=False, skip_weight_param_allocation=tied)
+        with torch.no_grad():
+            layer.bias.normal_(0.0, 0.5)  # Megatron zero-initialises it; make it matter
+        model.output_layer = layer
+    return model, vocab // tp
+
+
+def _inputs():
+    """Identical on every rank: token ids, positions, causal mask, labels, a loss mask with zeros."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V_REAL, (B, S), generator=g)
+    labels = torch.randint(0, V_REAL, (B, S), generator=g)
+    loss_mask = (torch.rand(B, S, generator=g) > 0.2).float()
+    loss_mask[0, 0] = 0.0
+    positions = torch.arange(S).expand(B, S)
+    attention_mask = torch.ones(1, 1, S, S, dtype=torch.bool).triu(1)  # True = masked out
+    return ids, positions, attention_mask, labels, loss_mask
+
+
+def _step(model, inputs, v_local, extra_loss=None):
+    """Megatron's training step on the last stage: forward with labels, its loss_func (masked mean,
+    or masked sum under calculate_per_token_loss), backward. Returns the per-token loss, every
+    parameter's gradient, the MTP loss log and whether a [s, b, V/tp] tensor was saved."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    ids, positions, attention_mask, labels, loss_mask = inputs
+    model.train()
+    model.zero_grad(set_to_none=True)
+    MTPLossLoggingHelper.tracker.clear()
+    big = []
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == v_local and t.numel() >= B * S * v_local:
+            big.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, positions, attention_mask, labels=labels, loss_mask=loss_mask)
+        if extra_loss is not None:
+            loss = loss + extra_loss(model, inputs)
+    total = (loss * loss_mask).sum()
+    if not model.config.calculate_per_token_loss:
+        total = total / loss_mask.sum()
+    total.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    values = MTPLossLoggingHelper.tracker.get("values")
+    return loss.detach(), grads, None if values is None else values.clone(), big
+
+
+def _compare(what, got, want):
+    loss, grads, mtp_log, _ = got
+    ref_loss, ref_grads, ref_mtp_log, _ = want
+    _close(f"{what} loss", loss, ref_loss, LOSS_ATOL, LOSS_RTOL)
+    assert set(grads) == set(ref_grads), what
+    for name, ref in ref_grads.items():
+        assert ref is not None, f"{what} {name}: no gradient in the reference"
+        _close(f"{what} d{name}", grads[name], ref, GRAD_ATOL_REL * ref.abs().max().item(), GRAD_RTOL)
+    if ref_mtp_log is None:
+        assert mtp_log is None, what
+    else:
+        assert ref_mtp_log.shape == (MTP_LAYERS,) and bool((ref_mtp_log > 0).all()), ref_mtp_log
+        _close(f"{what} MTP loss log", mtp_log, ref_mtp_log, LOSS_ATOL, LOSS_RTOL)
+
+
+def _assert_unpatched(model):
+    for name in ("forward", "_postprocess", "compute_language_model_loss", "_cce_dist_patch"):
+        assert name not in vars(model), name
+    assert "forward" not in vars(model.output_layer)
+
+
+def _z_loss_term(coefficient):
+    """The z-loss Megatron would add from its logits: coefficient * lse**2 per token, the lse over
+    the whole padded vocab (gathered, differentiably, from the vocab shards)."""
+
+    def term(model, inputs):
+        import torch
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        ids, positions, attention_mask, _, _ = inputs
+        logits = model(ids, positions, attention_mask)  # [b, s, V/tp]
+        lse = torch.logsumexp(gather_from_tensor_model_parallel_region(logits), dim=-1)
+        return coefficient * lse.square()
+
+    return term
+
+
+def _run_case(name, rank):
+    import torch
+
+    from cce_dist import megatron as cm
+
+    tp, sp, mtp, tied, extra = CASES[name]
+    if extra == "refusals":
+        return _refusals()
+    model, v_local = _build(tp, sp, mtp, tied, extra)
+    inputs = _inputs()
+    ids, positions, attention_mask, labels, _ = inputs
+    if extra == "z_loss":
+        want = _step(model, inputs, v_local, extra_loss=_z_loss_term(1e-3))
+        options = dict(z_loss=1e-3)
+    else:
+        want = _step(model, inputs, v_local)
+        options = {}
+    assert want[3], "the unpatched model saves its [s, b, V/tp] logits/softmax for backward"
+    if not mtp:  # megatron-core's MTP path needs labels (labels.clone()); no logits forward with MTP
+        model.eval()
+        with torch.no_grad():
+            ref_logits = model(ids, positions, attention_mask)
+            ref_eval_loss = model(ids, positions, attention_mask, labels=labels)
+
+    assert cm.patch(model, **options) is model and cm.is_patched(model)
+    got = _step(model, inputs, v_local)
+    assert not got[3], f"the patched model saved {got[3]} for backward"
+    _compare(f"[{name}]", got, want)
+    if not mtp:
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, positions, attention_mask)
+            eval_loss = model(ids, positions, attention_mask, labels=labels)
+        assert torch.equal(logits, ref_logits), "without labels the patched model must run unchanged"
+        if extra != "z_loss":
+            _close(f"[{name}] eval loss", eval_loss, ref_eval_loss, LOSS_ATOL, LOSS_RTOL)
+
+    cm.patch(model, **options)  # patching again replaces, it does not stack
+    assert cm.unpatch(model) is model and not cm.is_patched(model)
+    _assert_unpatched(model)
+    again = _step(model, inputs, v_local)
+    assert again[3]
+    if extra != "z_loss":
+        assert torch.equal(again[0], want[0]), "unpatched: Megatron's own loss, bitwise"
+    return True
+
+
+def _refusals():
+    """Clear errors, raised before anything runs, for what the patch cannot reproduce."""
+    import torch
+    from megatron.core import package_info
+
+    from cce_dist import megatron as cm
+
+    def raises(exc, match, fn):
+        with pytest.raises(exc, match=match):
+            fn()
+
+    model, _ = _build(2, False, False, False, "")
+    raises(TypeError, "GPTModel instances", lambda: cm.patch(torch.nn.Linear(2, 2)))
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    raises(TypeError, "unwrap_model", lambda: cm.patch(wrapper))
+    raises(TypeError, "unsupported option", lambda: cm.patch(model, reduction="mean"))
+    raises(TypeError, "unsupported option", lambda: cm.patch(model, shift=1))
+    raises(ValueError, "label_smoothing", lambda: cm.patch(model, label_smoothing=2.0))
+    raises(ValueError, "stats_collective", lambda: cm.patch(model, stats_collective="bcast"))
+    raises(ValueError, "not patched", lambda: cm.unpatch(model))
+    version = package_info.__version__
+    try:
+        package_info.__version__ = "0.11.2"
+        raises(TypeError, ">= 0.12", lambda: cm.patch(model))
+    finally:
+        package_info.__version__ = version
+    for field, match in (("use_mup", "use_mup"), ("defer_embedding_wgrad_compute", "defer_embedding_wgrad")):
+        old = getattr(model.config, field, None)
+        setattr(model.config, field, True)
+        try:
+            raises(ValueError, match, lambda: cm.patch(model))
+        finally:
+            setattr(model.config, field, old)
+    model.post_process = False
+    raises(ValueError, "last pipeline stage", lambda: cm.patch(model))
+    model.post_process = True
+    assert not cm.is_patched(model)
+    _assert_unpatched(model)
+
+    # the deferred logits fail loudly if anything but the loss uses them
+    cm.patch(model)
+    ids, positions, attention_mask, labels, _ = _inputs()
+    state = vars(model)["_cce_dist_patch"]
+    state.deferring += 1
+    try:
+        logits, _ = model.output_layer(torch.zeros(S, B, H))
+        raises(RuntimeError, "not materialized", lambda: logits.transpose(0, 1))
+    finally:
+        state.deferring -= 1
+    cm.unpatch(model)
+    # gathered logits at tp > 1 (runtime_gather_output=True): Megatron's own path, unchanged
+    model.train()
+    with torch.no_grad():
+        want = model(ids, positions, attention_mask, labels=labels, runtime_gather_output=True)
+        cm.patch(model)
+        got = model(ids, positions, attention_mask, labels=labels, runtime_gather_output=True)
+    assert torch.equal(got, want)
+    cm.unpatch(model)
+    return True
+
+
+def _spawned_body(rank, world, group, names):
+    from megatron.core import parallel_state
+
+    _stand_ins()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+    outcomes = {}
+    try:
+        for name in names:
+            try:
+                outcomes[name] = _run_case(name, rank) and None
+            except Exception as e:  # noqa: BLE001 - reported per case to the parent
+                outcomes[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        parallel_state.destroy_model_parallel()
+    return outcomes
+
+
+_OUTCOMES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    def get(tp):
+        if tp not in _OUTCOMES:
+            names = [n for n, c in CASES.items() if c[0] == tp]
+            per_rank = run_ranks(_spawned_body, tp, tmp_path_factory.mktemp(f"tp{tp}"), kw=dict(names=names),
+                                 timeout=480, pg_timeout=240)
+            _OUTCOMES[tp] = per_rank
+        return _OUTCOMES[tp]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_patched_gpt_model_matches_megatron(outcomes, name):
+    per_rank = outcomes(CASES[name][0])
+    for rank, result in sorted(per_rank.items()):
+        assert name in result, f"rank {rank} did not run {name}"
+        assert result[name] is None, f"rank {rank}: {result[name]}"
