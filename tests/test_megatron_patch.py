@@ -38,7 +38,6 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
-
 from dist_utils import run_ranks  # noqa: E402
 
 B, S, H, HEADS, V_REAL = 2, 16, 64, 4, 1001
@@ -130,7 +129,10 @@ def _stand_ins():
 def _build(tp, sp, mtp, tied, extra):
     import torch
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -233,7 +235,9 @@ def _z_loss_term(coefficient):
 
     def term(model, inputs):
         import torch
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import (
+            gather_from_tensor_model_parallel_region,
+        )
 
         ids, positions, attention_mask, _, _ = inputs
         logits = model(ids, positions, attention_mask)  # [b, s, V/tp]
