@@ -266,7 +266,8 @@ def patch(gpt_model, **loss_options):
     runs unchanged and returns logits. Evaluation with labels (``model.eval()``, ``torch.no_grad()``)
     uses cce_dist too.
 
-    Seams (megatron-core 0.12 through 0.17 and main, checked by feature, not only by version): the
+    Seams (read from the sources of megatron-core 0.12 through 0.17 and main; tested on 0.16.1;
+    checked by feature at patch time, not only by version): the
     instance's ``output_layer.forward`` returns a deferred record instead of logits, the instance's
     ``compute_language_model_loss`` turns that record into the loss with :func:`output_layer_loss`,
     and the instance's ``_postprocess`` (``forward`` on 0.12, whose forward has no

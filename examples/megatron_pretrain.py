@@ -113,21 +113,27 @@ class LossPathMemory:
 
 
 def train_step(model, optimizer, batch, memory):
+    """One step; returns the loss and Megatron's logged MTP losses (one per MTP layer)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     tokens, labels, loss_mask, positions, attention_mask = batch
     optimizer.zero_grad(set_to_none=True)
+    MTPLossLoggingHelper.tracker.clear()  # shared by both models: read after each model's step
     with memory:
         per_token = model(tokens, positions, attention_mask, labels=labels, loss_mask=loss_mask)  # [b, s]
         memory.forward_done()
         loss = (per_token * loss_mask).sum() / loss_mask.sum()  # Megatron's loss_func
         loss.backward()
     optimizer.step()
-    return loss.item()
+    mtp = MTPLossLoggingHelper.tracker.get("values")
+    return loss.item(), [] if mtp is None else mtp.tolist()
 
 
 def main(rank, world, init, args):
     if world != TP:
         raise SystemExit(f"run with {TP} processes (tensor parallelism only), got WORLD_SIZE={world}")
     warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -175,13 +181,16 @@ def main(rank, world, init, args):
         peak = "  peak MiB megatron / cce_dist" if cuda else ""
         print(f"step  loss megatron  loss cce_dist   |diff|    saved MiB megatron / cce_dist{peak}")
     for step in range(1, args.steps + 1):
-        losses = {k: train_step(m, optimizers[k], batch, memories[k]) for k, m in models.items()}
+        results = {k: train_step(m, optimizers[k], batch, memories[k]) for k, m in models.items()}
+        losses = {k: r[0] for k, r in results.items()}
         if rank == 0:
             mib = {k: memories[k].saved / 2**20 for k in models}
             line = (f"{step:4d}  {losses['megatron']:13.6f}  {losses['cce_dist']:13.6f}  "
                     f"{abs(losses['megatron'] - losses['cce_dist']):8.2e}  {mib['megatron']:12.2f} / {mib['cce_dist']:.2f}")
             if cuda:
                 line += f"  {memories['megatron'].peak / 2**20:12.2f} / {memories['cce_dist'].peak / 2**20:.2f}"
+            for i, (want, got) in enumerate(zip(results["megatron"][1], results["cce_dist"][1])):
+                line += f"\n  mtp{i + 1}  {want:13.6f}  {got:13.6f}  {abs(want - got):8.2e}"
             print(line, flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
