@@ -334,6 +334,15 @@ def _refusals():
     assert not cm.is_patched(model)
     _assert_unpatched(model)
 
+    # options Megatron's config expresses come from it (an explicit option wins)
+    model.config.deterministic_mode = True
+    try:
+        assert cm.patch(model)._cce_dist_patch.options["deterministic"] is True
+        assert cm.patch(model, deterministic=False)._cce_dist_patch.options["deterministic"] is False
+    finally:
+        model.config.deterministic_mode = False
+        cm.unpatch(model)
+
     # the deferred logits fail loudly if anything but the loss uses them
     cm.patch(model)
     ids, positions, attention_mask, labels, _ = _inputs()
