@@ -243,12 +243,12 @@ class _PatchState:
     deferring: int = 0  # > 0 while a patched gate runs a loss forward
 
 
-def is_patched(model) -> bool:
+def is_patched(model: torch.nn.Module) -> bool:
     """Whether :func:`patch` is in effect on this ``GPTModel`` instance."""
     return _STATE_ATTR in vars(model)
 
 
-def patch(gpt_model, **loss_options):
+def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     """Make ``gpt_model(..., labels=labels)`` compute its per-token loss with cce_dist (in place).
 
     Patches one megatron-core ``GPTModel`` *instance* (never the class): with ``labels`` given, the
@@ -367,7 +367,7 @@ def patch(gpt_model, **loss_options):
     return model
 
 
-def unpatch(gpt_model):
+def unpatch(gpt_model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly what :func:`patch` replaced on this instance (and its output layer)."""
     model = gpt_model
     state: Optional[_PatchState] = vars(model).get(_STATE_ATTR)

@@ -260,7 +260,7 @@ def _run_case(name, rank):
     ids, positions, attention_mask, labels, _ = inputs
     if extra == "z_loss":
         want = _step(model, inputs, v_local, extra_loss=_z_loss_term(1e-3))
-        options = dict(z_loss=1e-3)
+        options = {"z_loss": 1e-3}
     else:
         want = _step(model, inputs, v_local)
         options = {}
@@ -390,7 +390,7 @@ def outcomes(tmp_path_factory):
     def get(tp):
         if tp not in _OUTCOMES:
             names = [n for n, c in CASES.items() if c[0] == tp]
-            per_rank = run_ranks(_spawned_body, tp, tmp_path_factory.mktemp(f"tp{tp}"), kw=dict(names=names),
+            per_rank = run_ranks(_spawned_body, tp, tmp_path_factory.mktemp(f"tp{tp}"), kw={"names": names},
                                  timeout=480, pg_timeout=240)
             _OUTCOMES[tp] = per_rank
         return _OUTCOMES[tp]
