@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import math
 import os
 import tempfile
@@ -154,7 +155,8 @@ def main(rank, world, init, args):
     if cuda:
         model_parallel_cuda_manual_seed(1234)
     else:
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        reset = {"force_reset": True} if "force_reset" in inspect.signature(initialize_rng_tracker).parameters else {}
+        initialize_rng_tracker(inference_rng_tracker=True, **reset)  # force_reset: megatron-core >= 0.13
 
     reference, padded = build_model(args, device)
     patched, _ = build_model(args, device)

@@ -31,6 +31,7 @@ All cases of one tensor-parallel size run in ONE spawn (each spawn imports torch
 spawn.
 """
 
+import inspect
 import math
 import traceback
 
@@ -132,7 +133,9 @@ def _stand_ins():
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     torch.cuda.current_device = lambda: torch.device("cpu")
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # force_reset: megatron-core >= 0.13 (on 0.12 this fresh process has no tracker yet)
+    reset = {"force_reset": True} if "force_reset" in inspect.signature(initialize_rng_tracker).parameters else {}
+    initialize_rng_tracker(inference_rng_tracker=True, **reset)
 
 
 def _build(tp, sp, mtp, tied, extra):
@@ -150,7 +153,8 @@ def _build(tp, sp, mtp, tied, extra):
     config = TransformerConfig(
         num_layers=2, hidden_size=H, num_attention_heads=HEADS, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=sp,
-        mtp_num_layers=MTP_LAYERS if mtp else None, calculate_per_token_loss=extra == "per_token_loss",
+        mtp_num_layers=MTP_LAYERS if mtp else None, mtp_loss_scaling_factor=0.1,  # 0.12 has no default
+        calculate_per_token_loss=extra == "per_token_loss",
         params_dtype=torch.bfloat16 if extra == "bf16" else torch.float32, bf16=extra == "bf16",
     )
     spec = get_gpt_layer_local_spec()
