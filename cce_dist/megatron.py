@@ -266,8 +266,8 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     runs unchanged and returns logits. Evaluation with labels (``model.eval()``, ``torch.no_grad()``)
     uses cce_dist too.
 
-    Seams (read from the sources of megatron-core 0.12 through 0.17 and main; tested on 0.16.1;
-    checked by feature at patch time, not only by version): the
+    Seams (megatron-core 0.12 through 0.17 and main; tested on 0.12.2, 0.13.1, 0.14.0, 0.15.3 and
+    0.16.1, read from the source for the rest; checked by feature at patch time): the
     instance's ``output_layer.forward`` returns a deferred record instead of logits, the instance's
     ``compute_language_model_loss`` turns that record into the loss with :func:`output_layer_loss`,
     and the instance's ``_postprocess`` (``forward`` on 0.12, whose forward has no
