@@ -59,7 +59,7 @@ def _require_megatron():
 
 
 def _tp_group(layer) -> Optional[dist.ProcessGroup]:
-    """The layer's tensor-parallel group: its ``tp_group`` attribute (megatron-core >= 0.12),
+    """The layer's tensor-parallel group: its ``tp_group`` attribute (megatron-core >= 0.13),
     else parallel_state's global TP group (older layers, which always used it)."""
     for name in ("tp_group", "_tp_group"):
         group = getattr(layer, name, None)
@@ -89,7 +89,8 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
             it: ``weight`` ``[V/tp, h]`` (Megatron's even split of the padded vocab: this rank
             holds rows ``[r*V/tp, (r+1)*V/tp)``, ``r`` its rank in the layer's group), ``bias``
             (a vocab shard too; not applied when ``skip_bias_add=True``, as in the layer),
-            ``tp_group`` (falls back to ``parallel_state``'s TP group when the layer has none),
+            ``tp_group`` (falls back to ``parallel_state``'s TP group when the layer has none, as on
+            megatron-core 0.12),
             ``sequence_parallel`` and ``disable_grad_reduce``. ``gather_output`` is irrelevant
             (no logits are produced); ``gradient_accumulation_fusion`` is not used: the weight
             gradient lands in ``weight.grad``, which Megatron's DDP hook adds to ``main_grad``.
