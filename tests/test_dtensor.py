@@ -1,28 +1,11 @@
-"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle, gloo world 2."""
+"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle (tests/oracle.py), gloo world 2."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from dist_utils import run_ranks
+from oracle import oracle_cross_entropy, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
-
-
-def _oracle_ce(h, w, b, t, *, label_smoothing=0.0, softcap=None, reduction="mean"):
-    z = F.linear(h.float(), w.float(), None if b is None else b.float())
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return F.cross_entropy(z, t, ignore_index=-100, reduction=reduction, label_smoothing=label_smoothing)
-
-
-def _oracle_logprobs(h, w, t, temperature):
-    z = F.linear(h.float(), w.float()) / temperature
-    logp = torch.log_softmax(z, -1)
-    valid = t != -100
-    lp = logp.gather(1, t.clamp(min=0)[:, None])[:, 0]
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
 
 
 def _leaf(x):
@@ -34,8 +17,9 @@ def _close(a, b, what, rtol=2e-5, atol=2e-6):
 
 
 def body_dtensor(rank, world, group, vocab, d, n):
-    import cce_dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import cce_dist
 
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)  # identical full tensors on every rank
@@ -48,7 +32,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
 
     # 1) Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle
     w_ref, b_ref, h_ref = _leaf(W), _leaf(B), _leaf(H)
-    ref = _oracle_ce(h_ref, w_ref, b_ref, T, label_smoothing=0.1, softcap=2.5)
+    ref = oracle_cross_entropy(h_ref, w_ref, T, b_ref, label_smoothing=0.1, softcap=2.5)
     ref.backward()
     wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
     bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
@@ -66,7 +50,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
 
     # 2) logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)
     w_ref, h_ref = _leaf(W), _leaf(H)
-    lp_ref, ent_ref = _oracle_logprobs(h_ref, w_ref, T, temperature=0.8)
+    lp_ref, ent_ref = oracle_logprobs(h_ref, w_ref, T, temperature=0.8, return_entropy=True)
     gl, ge = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.5, n)
     ((lp_ref * gl).sum() + (ent_ref * ge).sum()).backward()
     for placement in (Replicate(), Shard(0)):
@@ -84,7 +68,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
     # 3) Replicate weight: no shard, the single-device path on every rank
     wr = distribute_tensor(W, mesh, [Replicate()]).requires_grad_(True)
     loss = cce_dist.linear_cross_entropy(H, wr, T, reduction="sum", impl="torch")
-    _close(loss, _oracle_ce(H, W, None, T, reduction="sum"), "loss (Replicate weight)")
+    _close(loss, oracle_cross_entropy(H, W, T, reduction="sum"), "loss (Replicate weight)")
 
     # 4) clear errors naming the argument (raised on every rank, before any collective)
     w1 = distribute_tensor(W, mesh, [Shard(1)])
@@ -106,7 +90,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
     with torch.no_grad():
         model["output"].weight.copy_(W)
     h_in = _leaf(H)
-    ref = _oracle_ce(model["norm"](h_in), model["output"].weight, None, T)
+    ref = oracle_cross_entropy(model["norm"](h_in), model["output"].weight, T)
     ref.backward()
     ref_dw = model["output"].weight.grad.clone()
     ref_dn = model["norm"].weight.grad.clone()
