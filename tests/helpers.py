@@ -6,6 +6,7 @@
   issuing its collectives in step with its peers; the parent asserts there are none.
 - ``CountCollectives``: records every ``torch.distributed`` collective issued inside a block
   (name, shape, dtype, reduce op) and classifies them into the steps of the TP protocol.
+- ``leaf(x)``: a detached copy of ``x`` that requires grad (None stays None), for the oracle's inputs.
 - ``TRITON``: whether ``cce_dist.kernels`` can run here (a GPU, or Triton's CPU interpreter).
 
 The reference program itself lives in tests/oracle.py; spawning ranks in tests/dist_utils.py.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TRITON", "close_report", "Failures", "CountCollectives", "COLLECTIVES"]
+__all__ = ["TRITON", "leaf", "close_report", "Failures", "CountCollectives", "COLLECTIVES"]
 
 
 def _triton_ok() -> bool:
@@ -28,6 +29,11 @@ def _triton_ok() -> bool:
 
 
 TRITON = _triton_ok()
+
+
+def leaf(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A fresh leaf: ``x`` detached, copied and requiring grad (None stays None)."""
+    return None if x is None else x.detach().clone().requires_grad_(True)
 
 
 def close_report(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:

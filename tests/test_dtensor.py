@@ -3,13 +3,10 @@
 import pytest
 import torch
 from dist_utils import run_ranks
+from helpers import leaf
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
-
-
-def _leaf(x):
-    return x.detach().clone().requires_grad_(True)
 
 
 def _close(a, b, what, rtol=2e-5, atol=2e-6):
@@ -31,12 +28,12 @@ def body_dtensor(rank, world, group, vocab, d, n):
     T[0] = vocab - 1  # a target in the last (smaller, for uneven V) shard
 
     # 1) Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle
-    w_ref, b_ref, h_ref = _leaf(W), _leaf(B), _leaf(H)
+    w_ref, b_ref, h_ref = leaf(W), leaf(B), leaf(H)
     ref = oracle_cross_entropy(h_ref, w_ref, T, b_ref, label_smoothing=0.1, softcap=2.5)
     ref.backward()
     wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
     bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
-    h = _leaf(H)
+    h = leaf(H)
     local_rows = wd.to_local().shape[0]
     assert local_rows == torch.chunk(torch.arange(vocab), world)[rank].numel()
     loss = cce_dist.linear_cross_entropy(h, wd, T, bias=bd, label_smoothing=0.1, softcap=2.5, impl="torch")
@@ -49,7 +46,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
     _close(h.grad, h_ref.grad, "dH")
 
     # 2) logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)
-    w_ref, h_ref = _leaf(W), _leaf(H)
+    w_ref, h_ref = leaf(W), leaf(H)
     lp_ref, ent_ref = oracle_logprobs(h_ref, w_ref, T, temperature=0.8, return_entropy=True)
     gl, ge = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.5, n)
     ((lp_ref * gl).sum() + (ent_ref * ge).sum()).backward()
@@ -89,7 +86,7 @@ def body_dtensor(rank, world, group, vocab, d, n):
     model = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "output": torch.nn.Linear(d, vocab, bias=False)})
     with torch.no_grad():
         model["output"].weight.copy_(W)
-    h_in = _leaf(H)
+    h_in = leaf(H)
     ref = oracle_cross_entropy(model["norm"](h_in), model["output"].weight, T)
     ref.backward()
     ref_dw = model["output"].weight.grad.clone()
