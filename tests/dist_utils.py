@@ -40,6 +40,20 @@ from typing import Any
 __all__ = ["run_ranks", "spawn_ranks", "RankPool", "RankPools"]
 
 
+PRELOAD = ["torch", "torch.distributed", "cce_dist"]
+
+
+def _context(start_method: str):
+    """A multiprocessing context. ``"forkserver"`` forks each rank from a server that has imported
+    PRELOAD once (a rank then starts in well under a second instead of importing torch anew), but
+    the ranks see the environment of when that server started, not of the call; ``"spawn"``
+    starts every rank from scratch with the current environment."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _init_group(rank, world, init_file, pg_timeout):
     import torch
     import torch.distributed as dist
@@ -92,16 +106,18 @@ def spawn_ranks(
     pg_timeout: float = 60.0,
     may_die: Iterable[int] = (),
     hard_exit: bool = False,
+    start_method: str = "spawn",
 ) -> dict[int, tuple[str | None, Any]]:
     """Spawn ``world`` ranks running ``fn(rank, world, group, **kw)``; ``{rank: (error text or None, result)}``.
 
     Ranks in ``may_die`` may exit without reporting (they are then absent from the result).
     ``hard_exit=True``: a rank leaves with ``os._exit`` right after reporting instead of calling
-    ``destroy_process_group`` (which blocks once a peer has died). Raises TimeoutError when a
+    ``destroy_process_group`` (which blocks once a peer has died). ``start_method``: see
+    ``_context``. Raises TimeoutError when a
     rank outside ``may_die`` has not reported within ``timeout`` seconds (a hang), RuntimeError
     when such a rank died without reporting.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     queue = ctx.Queue()
     init_file = os.path.join(str(tmp_path), f"rdzv_{os.getpid()}_{time.monotonic_ns()}")
     procs = [
@@ -195,8 +211,15 @@ def _pool_worker(rank, world, init_file, pg_timeout, inbox, outbox):
 class RankPool:
     """``world`` gloo ranks spawned once, each running the cases it is sent in one process group."""
 
-    def __init__(self, world: int, tmp_dir, pg_timeout: float = 60.0, start_timeout: float = 180.0):
-        ctx = mp.get_context("spawn")
+    def __init__(
+        self,
+        world: int,
+        tmp_dir,
+        pg_timeout: float = 60.0,
+        start_timeout: float = 180.0,
+        start_method: str = "forkserver",
+    ):
+        ctx = _context(start_method)
         self.world = world
         self._seq = itertools.count()
         self._out = ctx.Queue()
