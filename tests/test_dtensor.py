@@ -1,33 +1,50 @@
-"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle (tests/oracle.py), gloo world 2."""
+"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle (tests/oracle.py), gloo world 2.
+
+Each part (SECTIONS) is its own pytest item, run on the persistent 2-rank pool (``rank_pool``).
+"""
 
 import pytest
 import torch
-from dist_utils import run_ranks
 from helpers import leaf
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
+from torch.distributed.tensor import (  # noqa: E402
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
+
+import cce_dist  # noqa: E402
 
 
 def _close(a, b, what, rtol=2e-5, atol=2e-6):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def body_dtensor(rank, world, group, vocab, d, n):
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-
-    import cce_dist
-
-    mesh = init_device_mesh("cpu", (world,))
-    g = torch.Generator().manual_seed(0)  # identical full tensors on every rank
+def _problem(vocab, d, n):
+    """Identical full tensors on every rank: head W [V, D], bias [V], hidden [N, D], targets [N]."""
+    g = torch.Generator().manual_seed(0)
     W = torch.randn(vocab, d, generator=g)
     B = torch.randn(vocab, generator=g)
     H = torch.randn(n, d, generator=g)
     T = torch.randint(0, vocab, (n,), generator=g)
     T[1] = -100
     T[0] = vocab - 1  # a target in the last (smaller, for uneven V) shard
+    return W, B, H, T
 
-    # 1) Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle
+
+def _setup(world, vocab, d, n):
+    return (init_device_mesh("cpu", (world,)), *_problem(vocab, d, n))
+
+
+def _sharded_weight_and_bias(rank, world, group, vocab, d, n):
+    """Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     w_ref, b_ref, h_ref = leaf(W), leaf(B), leaf(H)
     ref = oracle_cross_entropy(h_ref, w_ref, T, b_ref, label_smoothing=0.1, softcap=2.5)
     ref.backward()
@@ -44,8 +61,12 @@ def body_dtensor(rank, world, group, vocab, d, n):
     _close(wd.grad.full_tensor(), w_ref.grad, "dW")
     _close(bd.grad.full_tensor(), b_ref.grad, "db")
     _close(h.grad, h_ref.grad, "dH")
+    return local_rows
 
-    # 2) logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)
+
+def _logprobs_replicate_and_token_sharded_hidden(rank, world, group, vocab, d, n):
+    """logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     w_ref, h_ref = leaf(W), leaf(H)
     lp_ref, ent_ref = oracle_logprobs(h_ref, w_ref, T, temperature=0.8, return_entropy=True)
     gl, ge = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.5, n)
@@ -61,13 +82,21 @@ def body_dtensor(rank, world, group, vocab, d, n):
         _close(wd.grad.full_tensor(), w_ref.grad, f"dW logprob ({placement})", atol=1e-5)
         assert hd.grad.placements == (placement,)
         _close(hd.grad.full_tensor(), h_ref.grad, f"dH logprob ({placement})", atol=1e-5)
+    return None
 
-    # 3) Replicate weight: no shard, the single-device path on every rank
+
+def _replicate_weight(rank, world, group, vocab, d, n):
+    """Replicate weight: no shard, the single-device path on every rank."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     wr = distribute_tensor(W, mesh, [Replicate()]).requires_grad_(True)
     loss = cce_dist.linear_cross_entropy(H, wr, T, reduction="sum", impl="torch")
     _close(loss, oracle_cross_entropy(H, W, T, reduction="sum"), "loss (Replicate weight)")
+    return None
 
-    # 4) clear errors naming the argument (raised on every rank, before any collective)
+
+def _clear_errors(rank, world, group, vocab, d, n):
+    """Clear errors naming the argument (raised on every rank, before any collective)."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     w1 = distribute_tensor(W, mesh, [Shard(1)])
     with pytest.raises(ValueError, match="weight is a DTensor with placements"):
         cce_dist.linear_cross_entropy(H, w1, T)
@@ -78,10 +107,12 @@ def body_dtensor(rank, world, group, vocab, d, n):
     wrong = cce_dist.VocabShard(group, 0, vocab) if rank == 0 else cce_dist.VocabShard(group, 0, 0)
     with pytest.raises(ValueError, match="disagrees with the DTensor"):
         cce_dist.linear_cross_entropy(H, ws, T, shard=wrong)
+    return None
 
-    # 5) torchtitan style: ColwiseParallel output layer, the loss called on its weight
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+def _colwise_parallel_output_layer(rank, world, group, vocab, d, n):
+    """torchtitan style: ColwiseParallel output layer, the loss called on its weight."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     torch.manual_seed(1)
     model = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "output": torch.nn.Linear(d, vocab, bias=False)})
     with torch.no_grad():
@@ -100,13 +131,24 @@ def body_dtensor(rank, world, group, vocab, d, n):
     _close(loss, ref.detach(), "loss (ColwiseParallel)")
     _close(w_out.grad.full_tensor(), ref_dw, "dW (ColwiseParallel)")
     _close(model["norm"].weight.grad, ref_dn, "d norm (ColwiseParallel): dH reduced exactly once")
-    return local_rows
+    return None
 
 
+SECTIONS = [
+    _sharded_weight_and_bias,
+    _logprobs_replicate_and_token_sharded_hidden,
+    _replicate_weight,
+    _clear_errors,
+    _colwise_parallel_output_layer,
+]
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=lambda f: f.__name__.lstrip("_"))
 @pytest.mark.parametrize("vocab", [11])  # uneven: torch.chunk gives rows [0, 6) and [6, 11)
-def test_dtensor_head_world2(tmp_path, vocab):
-    res = run_ranks(body_dtensor, world=2, tmp_path=tmp_path, kw=dict(vocab=vocab, d=8, n=7), timeout=400)
-    assert res == {0: 6, 1: 5}
+def test_dtensor_head_world2(rank_pool, vocab, section):
+    res = rank_pool(2).run(section, vocab=vocab, d=8, n=7, timeout=400)
+    if section is _sharded_weight_and_bias:
+        assert res == {0: 6, 1: 5}
 
 
 def test_from_dtensor_passes_plain_tensors_through():
