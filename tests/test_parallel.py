@@ -9,9 +9,10 @@ oracle's), and this rank's slice of dW and db. Each call also counts the collect
 
 A spawn costs ~10-15 s here, so the ranks are spawned once per world size (the ``rank_pool``
 fixture, tests/dist_utils.py) and run one case per pytest item; each case is named by the options
-that differ from the base case (``pytest tests/test_parallel.py -k "ce-0:5|5:13"`` selects by
-layout, ``--collect-only -q`` lists them). A rank collects the failing checks of its case without
-raising, so it stays in step with its peers; the parent asserts there are none.
+that differ from the base case (``pytest tests/test_parallel.py -k "world4 and lp- and 0:2"`` selects
+the logprobs cases of world 4, ``--collect-only -q`` lists them all). A rank collects the failing
+checks of its case without raising, so it stays in step with its peers; the parent asserts there are
+none.
 """
 
 from __future__ import annotations
