@@ -316,52 +316,52 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
         db.add_(gamma.sum())
 
 
-def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
-          _blocks=None):
-    """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
-    float32, None where not needed (``d_bias`` is None when ``bias`` is None).
+def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+         need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, props=None,
+         allow_tf32=None, _blocks=None):
+    """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
-    ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
-    fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
-    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
-    it relative to their row's coefficient scale (see the module docstring; None = exact).
-    ``deterministic``: no float atomics, bitwise repeatable.
-    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
+    ``dh`` / ``dw`` / ``db`` are the zeroed fp32 outputs (None where not needed); ``launches`` is
+    a list of ``(kernel, grid, args, kwargs)`` to run in order as ``kernel[grid](*args, **kwargs)``
+    (kwargs hold the constexprs and the compile options). Works on ``meta`` tensors, which is how
+    tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
+    ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
+    ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
+    Other arguments as in :func:`grads`.
     """
-    check_inputs(_INTERPRET, hidden, weight, bias, targets)
     n, d = hidden.shape
     v = weight.shape[0]
     device = hidden.device
-    if lse.shape != (n,):
-        raise ValueError(f"lse must be [N] = [{n}], got {tuple(lse.shape)}")
-    if coef.shape != (n, NUM_COEFS):
-        raise ValueError(f"coef must be [N, {NUM_COEFS}] = [{n}, {NUM_COEFS}], got {tuple(coef.shape)}")
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.zeros(n, d, **f32) if need_hidden else None
     dw = torch.zeros(v, d, **f32) if need_weight else None
     db = torch.zeros(v, **f32) if need_bias else None
     if n == 0 or v == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
-        return dh, dw, db
+        return dh, dw, db, []
 
     has_softcap = softcap is not None and softcap != 0
     has_temp = temperature is not None and float(temperature) != 1.0
     filt = filter_eps is not None
     gamma_in_tile = not (filt and not has_softcap)
     interpret = _INTERPRET
-    targets = targets.to(torch.int64)
-    lse = lse.to(torch.float32).contiguous()
-    coef = coef.to(torch.float32)
+    precision = dot_precision(hidden.dtype, interpret, allow_tf32)
 
     if _blocks is not None:
         bn, bv, bd, bdo = _blocks
         group_n, warps, stages = 2, 4, 2
     else:
-        c = _config.INTERPRET_BWD if interpret else _config.backward_config(device, hidden.dtype)
+        if interpret:
+            c = _config.INTERPRET_BWD
+        else:
+            if props is None:
+                props = _config.DeviceProps.of(device)
+            c = _config.backward_config(props, hidden.dtype, tf32=precision == "tf32", softcap=has_softcap,
+                                        filtering=filt, deterministic=deterministic)
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
-    launch = {} if interpret else dict(num_warps=warps, num_stages=stages)
+    launch = {} if interpret else dict(num_warps=warps, num_stages=stages,
+                                       enable_fp_fusion=_config.ENABLE_FP_FUSION)
 
     common = (
         hidden, weight, bias if bias is not None else hidden, targets, lse, coef,
@@ -379,40 +379,70 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
         HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
         FILTER=filt, GAMMA_IN_TILE=gamma_in_tile,
         USE_LIBDEVICE=use_libdevice(interpret),
-        DOT_PRECISION=dot_precision(hidden.dtype, interpret),
+        DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, BLOCK_D_OUT=bdo,
     )
     dummy = lse  # never dereferenced: the matching NEED_* flag is False
 
+    launches = []
     if not deterministic:
         grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        _grads_fused_kernel[grid](
+        launches.append((_grads_fused_kernel, grid, (
             *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
             db if db is not None else dummy, *scalars,
             dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
-            NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
-            GROUP_N=group_n, **flags, **launch,
-        )
+        ), dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
+                GROUP_N=group_n, **flags, **launch)))
     else:
         if dh is not None:
             dh_flags = flags
-            if not interpret and _blocks is None and triton.cdiv(n, bn) < _config.num_sms(device):
+            if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms:
                 # One program per token tile: halve the tile when that leaves SMs idle.
                 dh_flags = dict(flags, BLOCK_N=max(16, bn // 2))
-            _grads_dh_kernel[(triton.cdiv(n, dh_flags["BLOCK_N"]),)](
-                *common, dh, *scalars, dh.stride(0), **dh_flags, **launch,
-            )
+            launches.append((_grads_dh_kernel, (triton.cdiv(n, dh_flags["BLOCK_N"]),),
+                             (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
         if dw is not None or db is not None:
-            _grads_dw_kernel[(triton.cdiv(v, bv),)](
+            launches.append((_grads_dw_kernel, (triton.cdiv(v, bv),), (
                 *common, dw if dw is not None else dummy, db if db is not None else dummy,
                 *scalars, dw.stride(0) if dw is not None else 0,
-                NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch,
-            )
+            ), dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch)))
+    return dh, dw, db, launches
 
-    if not gamma_in_tile:
+
+def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
+          _blocks=None):
+    """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
+    float32, None where not needed (``d_bias`` is None when ``bias`` is None).
+
+    ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
+    fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
+    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
+    it relative to their row's coefficient scale (see the module docstring; None = exact).
+    ``deterministic``: no float atomics, bitwise repeatable.
+    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
+    """
+    check_inputs(_INTERPRET, hidden, weight, bias, targets)
+    n = hidden.shape[0]
+    if lse.shape != (n,):
+        raise ValueError(f"lse must be [N] = [{n}], got {tuple(lse.shape)}")
+    if coef.shape != (n, NUM_COEFS):
+        raise ValueError(f"coef must be [N, {NUM_COEFS}] = [{n}, {NUM_COEFS}], got {tuple(coef.shape)}")
+    targets = targets.to(torch.int64)
+    lse = lse.to(torch.float32).contiguous()
+    coef = coef.to(torch.float32)
+    dh, dw, db, launches = plan(
+        hidden, weight, bias, targets, lse, coef, vocab_start=vocab_start, softcap=softcap,
+        temperature=temperature, need_hidden=need_hidden, need_weight=need_weight,
+        need_bias=need_bias, filter_eps=filter_eps, deterministic=deterministic, _blocks=_blocks)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+    has_softcap = softcap is not None and softcap != 0
+    if launches and filter_eps is not None and not has_softcap:  # GAMMA was left out of the tiles
         gamma = coef[:, GAMMA]
-        if has_temp:
+        if temperature is not None and float(temperature) != 1.0:
             gamma = gamma / float(temperature)
         if bool((gamma != 0).any()):
             _add_uniform_term(hidden, weight, gamma, dh, dw, db)
