@@ -113,32 +113,35 @@ def _elt(dtype: torch.dtype) -> int:
 
 
 def fwd_smem_estimate(c: FwdConfig, dtype: torch.dtype) -> int:
-    """Shared memory of the pipelined logit recompute: num_stages buffers of an H and a W chunk."""
-    return c.num_stages * (c.block_n + c.block_v) * c.block_d * _elt(dtype)
+    """Upper estimate of the forward's shared memory: num_stages buffers of an H and a W chunk
+    (what Triton's pipeliner allocates) plus 1 KB for barriers."""
+    return c.num_stages * (c.block_n + c.block_v) * c.block_d * _elt(dtype) + 1024
 
 
 def bwd_smem_estimate(c: BwdConfig, dtype: torch.dtype) -> int:
-    """Pipelined recompute buffers plus the gradient matmuls' operands (the dz tile and one
-    W / H column chunk, double buffered) plus their layout-conversion scratch."""
+    """Upper estimate of the backward's shared memory: the pipelined recompute buffers plus the
+    gradient matmuls' operands (the dz tile and two W / H column chunks)."""
     e = _elt(dtype)
     recompute = c.num_stages * (c.block_n + c.block_v) * c.block_d * e
-    grad = c.block_n * c.block_v * e + 2 * max(c.block_n, c.block_v) * c.block_d_out * e
-    return max(recompute, grad + max(c.block_n, c.block_v) * c.block_d_out * 4)
+    return recompute + c.block_n * c.block_v * e + 2 * max(c.block_n, c.block_v) * c.block_d_out * e + 1024
 
 
 def _fits(smem: int, props: DeviceProps) -> bool:
     return smem <= props.smem_per_block
 
 
+#: The smallest configs, used where nothing else fits and for fp32 without tensor cores (an FMA
+#: dot: small tiles keep the fp32 operands in registers without spilling).
+SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
+SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
+
+
 def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
     ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores)."""
-    if props.mma == "none":
-        return [FwdConfig(64, 64, 32, num_warps=4, num_stages=2)]
-    if dtype == torch.float32 and not tf32:
-        # No tensor cores: FMA dot; small tiles keep the fp32 operands in registers.
-        return [FwdConfig(64, 64, 32, num_warps=4, num_stages=2)]
+    if props.mma == "none" or (dtype == torch.float32 and not tf32):
+        return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
     if props.mma in ("wgmma", "tcgen05"):
         cands = [
@@ -153,33 +156,35 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props)]
-    return out or [FwdConfig(64, 64, 32, num_warps=4, num_stages=2)]
+    return out or [SMALL_FWD]
 
 
 def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True, softcap: bool = False,
                     filtering: bool = False, deterministic: bool = False) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
-    why it is not tuned). The first candidate whose shared memory fits is taken."""
+    why it is not tuned): the first candidate whose shared memory fits.
+
+    The softcap and filtering epilogues keep more fp32 tiles live (tanh factor, filter test):
+    with a 128x128 tile they spill on every target, so they get 64-row tiles."""
     del deterministic  # the deterministic kernels share the fused kernel's tile shape
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
-    heavy = softcap or filtering  # more live fp32 tiles in the dz epilogue
-    if dtype == torch.float32:
+        return SMALL_BWD
+    heavy = softcap or filtering
+    if dtype == torch.float32:  # TF32
         cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
                  BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
     elif props.mma in ("wgmma", "tcgen05"):
-        cands = [BwdConfig(128, 128, 64, 64, group_n=8, num_warps=8, num_stages=3),
-                 BwdConfig(128, 128, 64, 64, group_n=8, num_warps=8, num_stages=2),
-                 BwdConfig(64, 128, 64, 64, group_n=8, num_warps=4, num_stages=2)]
+        cands = [BwdConfig(64, 128, 64, 64, group_n=8, num_warps=8, num_stages=3)]
+        if not heavy:
+            cands.insert(0, BwdConfig(128, 128, 64, 64, group_n=8, num_warps=8, num_stages=3))
     else:
-        cands = [BwdConfig(128, 128, 32, 64, group_n=8, num_warps=8, num_stages=2),
-                 BwdConfig(64, 128, 32, 64, group_n=8, num_warps=4, num_stages=2)]
-    if heavy:
-        cands = [c for c in cands if c.block_n * c.block_v <= 128 * 128 and c.num_warps == 8] + cands
+        cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
+        if not heavy:
+            cands.insert(0, BwdConfig(128, 128, 32, 64, group_n=8, num_warps=8, num_stages=2))
     for c in cands:
         if _fits(bwd_smem_estimate(c, dtype), props):
             return c
-    return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
+    return SMALL_BWD
 
 
 def all_backward_configs(props: DeviceProps) -> set[BwdConfig]:
