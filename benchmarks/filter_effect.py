@@ -7,9 +7,10 @@ paper's bf16 threshold scaled per dtype)? It is only worth it if it skips many t
 (peaked) next-token distributions and if what it drops stays below what the dtype already
 rounds away.
 
-Setup: N=48 tokens, D=64, V=1024 (the interpreter's 16x32 backward tiles: 96 tile pairs),
+Setup: N=32 tokens, D=32, V=512 (the interpreter's 16x32 backward tiles: 32 tile pairs),
+logits of unrelated tokens spread with std ~3 (a heavy tail of tiny probabilities, as in LMs) and
 hidden states pulled towards their target's weight row so the softmax is peaked, at three
-sharpness levels (mean entropy reported). For bf16, fp16 and fp32: the share of tiles the
+sharpness levels (mean entropy reported). For bf16 and fp32: the share of tiles the
 kernel's rule skips (evaluated on the float64 logits with the kernel's tile shape), and the
 largest gradient difference filtered vs exact, next to the exact kernel's own difference from
 the float64 oracle (the dtype's rounding), both relative to the largest gradient entry.
@@ -29,13 +30,14 @@ import torch  # noqa: E402
 
 from benchmarks.common import close_env, env_info, md_table, save_results  # noqa: E402
 
-N, D, V = 48, 64, 1024
-SHARPNESS = {"mild": 2.0, "peaked": 4.0, "very peaked": 7.0}
+N, D, V = 32, 32, 512
+SHARPNESS = {"broad": 0.5, "peaked": 1.0, "very peaked": 2.0}
+SPREAD = 3.0  # std of the logits of unrelated tokens: a heavy tail of tiny probabilities, as in LMs
 
 
 def _inputs(sharp: float, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, D, generator=g, dtype=torch.float64) / D**0.5
+    w = torch.randn(V, D, generator=g, dtype=torch.float64) / D**0.5 * SPREAD
     t = torch.randint(0, V, (N,), generator=g)
     h = sharp * w[t] * D**0.5 / w[t].norm(dim=1, keepdim=True) + torch.randn(N, D, generator=g, dtype=torch.float64)
     return h, w, t
@@ -70,7 +72,7 @@ def main() -> None:
         h_ref = h64.clone().requires_grad_()
         w_ref = w64.clone().requires_grad_()
         torch.nn.functional.cross_entropy(h_ref @ w_ref.T, t).backward()
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float32):
             eps = torch.finfo(dtype).eps * 2.0**-5
             grads = {}
             for mode, fe in (("exact", None), ("filtered", "auto")):

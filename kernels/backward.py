@@ -572,9 +572,11 @@ def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temp
     else:
         if dh is not None:
             dh_flags = flags
-            if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms:
-                # One program per token tile: halve the tile when that leaves SMs idle.
-                dh_flags = dict(flags, BLOCK_N=max(16, bn // 2))
+            # One program per token tile: halve the tile when that leaves SMs idle, but not below
+            # the 64 rows a wgmma / tcgen05 instruction needs (it would fall back to mma.sync).
+            smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
+            if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
+                dh_flags = dict(flags, BLOCK_N=bn // 2)
             launches.append((_grads_dh_kernel, (triton.cdiv(n, dh_flags["BLOCK_N"]),),
                              (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
         if dw is not None or db is not None:

@@ -15,8 +15,9 @@ Asserted per compiled kernel:
 - it compiles;
 - the shared memory it requests fits the target's per-block limit (else the launch fails with
   "out of resource");
-- no spills (stack + local bytes per thread == 0) for bf16 / fp16 / TF32, whose inner loops run
-  on tensor cores; fp32 IEEE (FMA dot, no tensor cores) may use at most ``FP32_IEEE_SPILL_BOUND``
+- no spills (stack + local bytes per thread == 0) for bf16 / fp16 / TF32 at the paper shape,
+  whose inner loops run on tensor cores (at most ``RAGGED_SPILL_BOUND`` at the unaligned shape);
+  fp32 IEEE (FMA dot, no tensor cores) may use at most ``FP32_IEEE_SPILL_BOUND``
   bytes (a correctness mode; a few words of stack are the price of its register-held fp32 tiles);
 - bf16 / fp16 use ``wgmma`` on sm_90 and ``tcgen05`` on sm_100 (else the kernel silently falls
   back to mma.sync at a fraction of the peak), and some tensor-core instruction on sm_80/86/120.
@@ -39,6 +40,10 @@ TARGETS = ["sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 LIMITS = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448, "sm_100": 232_448, "sm_120": 101_376}
 #: Bytes of stack/local per thread allowed for fp32 IEEE kernels (no tensor cores).
 FP32_IEEE_SPILL_BOUND = 256
+#: Bytes of stack/local per thread allowed at the ragged shape (D = 2303: rows not 16-byte aligned,
+#: so no async copies / TMA and more address registers). A slow path kept correct, not fast: real
+#: hidden sizes are multiples of 64.
+RAGGED_SPILL_BOUND = 512
 
 
 def _compile(target: str, tmp_path: pathlib.Path) -> list[dict]:
@@ -66,7 +71,7 @@ def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
         where = f"{r['label']} {r['constexprs'].get('BLOCK_N')}x{r['constexprs'].get('BLOCK_V')} w{r['num_warps']}s{r['num_stages']}"
         if r["shared"] > limit:
             problems.append(f"{where}: shared {r['shared']} B > {limit} B")
-        bound = FP32_IEEE_SPILL_BOUND if mode == "fp32" else 0
+        bound = FP32_IEEE_SPILL_BOUND if mode == "fp32" else RAGGED_SPILL_BOUND if "/ragged/" in r["label"] else 0
         if r["stack"] + r["local"] > bound:
             problems.append(f"{where}: spills {r['stack'] + r['local']} B/thread > {bound}")
         if mode in ("bf16", "fp16"):
@@ -93,7 +98,7 @@ def _assert_every_config_compiled(target: str, rows: list[dict]) -> None:
         for c in C.forward_candidates(props, dtype, tf32):
             want.add(("_row_stats_kernel", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
     for c in C.all_backward_configs(props):
-        want.add(("_grads_fused_kernel", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
+        want.add(("_grads_super_kernel", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
     missing = want - seen
     assert not missing, f"selectable on {target} but never compiled: {sorted(missing)}"
 
