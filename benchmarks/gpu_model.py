@@ -67,7 +67,8 @@ cases = {
   "forward": aot.forward_launches(props, torch.bfloat16, N, D, V),
   "forward softcap": aot.forward_launches(props, torch.bfloat16, N, D, V, softcap=30.0)[:1],
   "backward fused": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False),
-  "backward per-tile": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False, schedule="tiles"),
+  "backward super-tile (opt-in)": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False,
+                                                        schedule="super"),
   "backward fused filter": aot.backward_launches(props, torch.bfloat16, N, D, V, filter_eps=2.0**-12),
   "backward deterministic": aot.backward_launches(props, torch.bfloat16, N, D, V, deterministic=True),
 }
@@ -182,11 +183,11 @@ def schedules(g: dict) -> list[dict]:
         rows.append(dict(schedule=name, atomic_gb=atomics / 1e9, scratch_mb=scratch / 2**20,
                          est_ms=t * 1e3, frac_peak=grad_flops / t / g["peak_bf16"], note=note))
 
-    add("per-tile 128x128 (_schedule='tiles')", base_atomics, 0, 1.0, 8 * 2 * V * D * 4,
+    add("per-tile 128x128 (default)", base_atomics, 0, 1.0, 8 * 2 * V * D * 4,
         "one atomic per output element per tile pair")
     add("fused 128x256 (Blackwell TMEM acc)", (V // 256 * N * D + N // bn * V * D) * 4, 0, 1.0, 8 * 2 * V * D * 4,
         "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics")
-    add("2x2 super-tiles (default)", base_atomics / 2, 132 * 3 * bn * bv * 2, 1.0,
+    add("2x2 super-tiles (opt-in, _schedule='super')", base_atomics / 2, 132 * 3 * bn * bv * 2, 1.0,
         4 * 2 * V * D * 4, "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics")
     for f in (0.5, 0.9):
         add(f"fused + filtering, {int(f * 100)}% tiles skipped", base_atomics * (1 - f), 0, 1 - f,
@@ -244,21 +245,22 @@ def main() -> None:
     sched = {gname: schedules(g) for gname, g in GPUS.items()}
     h100 = {r["label"] + "/" + r["kernel"]: r["H100 SXM"] for r in rows}
     fwd = min((m for k, m in h100.items() if k.startswith("forward/")), key=lambda m: m["est_ms"])
-    bwd = h100["backward fused/_grads_super_kernel"]
-    tiles = h100["backward per-tile/_grads_fused_kernel"]
+    bwd = h100["backward fused/_grads_fused_kernel"]
+    sup = h100["backward super-tile (opt-in)/_grads_super_kernel"]
     reading = [
         f"Forward (best autotune candidate): {fwd['est_ms']:.1f} ms, {100 * fwd['frac_peak']:.0f}% of bf16 peak, "
         f"bound by {fwd['bound']}; the elementwise epilogue costs {fwd['t_elem_ms']:.1f} ms of it.",
         f"Fused backward: {bwd['est_ms']:.1f} ms, {100 * bwd['frac_peak']:.0f}% of peak, bound by {bwd['bound']}: "
         f"{bwd['atomic_gb']:.0f} GB of fp32 atomics against {bwd['mma_tflop']:.0f} TFLOP of MMA "
-        f"({bwd['t_mma_ms']:.0f} ms); the per-tile schedule would issue {tiles['atomic_gb']:.0f} GB and take "
-        f"{tiles['est_ms']:.1f} ms. Unless atomics run far faster than assumed, atomic traffic, not tensor "
-        "cores, sets the backward's time.",
+        f"({bwd['t_mma_ms']:.0f} ms); the opt-in 2x2 super-tile schedule issues {sup['atomic_gb']:.0f} GB and is "
+        f"estimated at {sup['est_ms']:.1f} ms (the model ignores its spills). Unless atomics run far faster than "
+        "assumed, atomic traffic, not tensor cores, sets the backward's time.",
         "Atomic bytes scale as N*V*D*(1/BLOCK_V + 1/BLOCK_N); for a fixed register budget (the 128x128 fp32 "
         "accumulator) the square tile is already optimal, so halving them needs a larger effective tile: "
-        "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them (the "
-        "default schedule now); filtering removes them in proportion to the skipped tiles and is the "
-        "biggest lever on real (peaked) distributions.",
+        "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them "
+        "(implemented, `_schedule='super'`, but it spills 136-816 B/thread with Triton 3.9, so it is opt-in); "
+        "filtering removes them in proportion to the skipped tiles and is the biggest lever on real "
+        "(peaked) distributions.",
         "The deterministic schedule moves its outputs through HBM and is the slowest; it is a debugging mode.",
     ]
     plan = [
@@ -266,9 +268,9 @@ def main() -> None:
         "the measured forward and backward times at this shape.",
         "Measure fp32 atomic throughput (gpu_suite's atomic microbenchmark, L2-resident and HBM-sized buffers) "
         "and replace the 1.5 TB/s assumption; re-run this model.",
-        "Compare the super-tile and per-tile backward (gpu_suite times both): if the super-tile one is not "
-        "faster, atomics are cheaper than assumed and the per-tile schedule (no scratch) should be the default; "
-        "if both are tensor-bound, tune BLOCK_D / stages of the recompute.",
+        "Compare the per-tile and the super-tile backward (gpu_suite times both): if the super-tile one is "
+        "faster despite its spills, make it the default (and work on its register use); if neither is "
+        "atomic-bound, tune BLOCK_D / stages of the recompute.",
         "Profile one forward launch (ncu --set full) for achieved occupancy and the epilogue's share.",
     ]
     payload = {"env": close_env(env, started), "shape": dict(N=N, D=D, V=V, dtype="bf16"), "gpus": GPUS,

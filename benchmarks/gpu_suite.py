@@ -161,7 +161,7 @@ def kernel_times(warmup: int, repeats: int) -> list[dict]:
     runs = {
         "forward": lambda: K.row_stats(h, w, None, t, vocab_start=0, softcap=None, temperature=None),
         "backward fused": lambda: K.grads(h, w, None, t, lse, coef, **common),
-        "backward per-tile": lambda: K.grads(h, w, None, t, lse, coef, _schedule="tiles", **common),
+        "backward super-tile (opt-in)": lambda: K.grads(h, w, None, t, lse, coef, _schedule="super", **common),
         "backward fused filter": lambda: K.grads(h, w, None, t, lse, coef, filter_eps=2.0**-12, **common),
         "backward deterministic": lambda: K.grads(h, w, None, t, lse, coef, deterministic=True, **common),
     }

@@ -147,7 +147,7 @@ def forward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: 
 
 def backward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: int, v: int, *,
                       bias=False, softcap=None, temperature=None, filter_eps=None, deterministic=False,
-                      tf32=True, need_bias=True, schedule="super"):
+                      tf32=True, need_bias=True, schedule="tiles"):
     """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed)."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
@@ -205,8 +205,8 @@ def matrix(props: _config.DeviceProps):
         for fname in det:
             add(f"{name}/{fname}/bwd-det", backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True,
                                                              **_FLAGS[fname]))
-        if name in ("bf16", "tf32"):  # the per-tile schedule (not the default; tests and benchmarks)
-            add(f"{name}/plain/bwd-tiles", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="tiles"))
+        if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
+            add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
     n, d, v = RAGGED_SHAPE
     add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
     add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))

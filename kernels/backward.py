@@ -476,7 +476,7 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
 
 def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, props=None,
-         allow_tf32=None, _blocks=None, _schedule="super"):
+         allow_tf32=None, _blocks=None, _schedule="tiles"):
     """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
     ``dh`` / ``dw`` / ``db`` are the zeroed fp32 outputs (None where not needed); ``launches`` is
@@ -589,7 +589,7 @@ def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temp
 
 def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
           need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
-          _blocks=None, _schedule="super"):
+          _blocks=None, _schedule="tiles"):
     """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
     float32, None where not needed (``d_bias`` is None when ``bias`` is None).
 
@@ -599,8 +599,9 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
     it relative to their row's coefficient scale (see the module docstring; None = exact).
     ``deterministic``: no float atomics, bitwise repeatable.
     ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests
-    and benchmarks): the non-deterministic schedule, ``"super"`` (2x2 super-tiles, the default) or
-    ``"tiles"`` (one program per tile pair, twice the atomics).
+    and benchmarks): the non-deterministic schedule, ``"tiles"`` (one program per tile pair, the
+    default) or ``"super"`` (2x2 super-tiles: half the atomics, but with Triton 3.9 it spills
+    136-816 B per thread on sm_90/sm_100, so it stays opt-in until a GPU run shows it is faster).
     """
     check_inputs(_INTERPRET, hidden, weight, bias, targets)
     n = hidden.shape[0]

@@ -44,6 +44,10 @@ FP32_IEEE_SPILL_BOUND = 256
 #: so no async copies / TMA and more address registers). A slow path kept correct, not fast: real
 #: hidden sizes are multiples of 64.
 RAGGED_SPILL_BOUND = 512
+#: The opt-in 2x2 super-tile backward (``_schedule="super"``: half the atomics) keeps two dz tiles
+#: live in each gradient product; with Triton 3.9 it spills up to ~0.8 KB per thread on sm_90 /
+#: sm_100, which is why it is not the default. Bounded here so that it does not get worse unseen.
+SUPER_TILE_SPILL_BOUND = 1024
 
 
 def _compile(target: str, tmp_path: pathlib.Path) -> list[dict]:
@@ -71,7 +75,14 @@ def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
         where = f"{r['label']} {r['constexprs'].get('BLOCK_N')}x{r['constexprs'].get('BLOCK_V')} w{r['num_warps']}s{r['num_stages']}"
         if r["shared"] > limit:
             problems.append(f"{where}: shared {r['shared']} B > {limit} B")
-        bound = FP32_IEEE_SPILL_BOUND if mode == "fp32" else RAGGED_SPILL_BOUND if "/ragged/" in r["label"] else 0
+        if mode == "fp32":
+            bound = FP32_IEEE_SPILL_BOUND
+        elif "/ragged/" in r["label"]:
+            bound = RAGGED_SPILL_BOUND
+        elif r["kernel"] == "_grads_super_kernel":
+            bound = SUPER_TILE_SPILL_BOUND
+        else:
+            bound = 0
         if r["stack"] + r["local"] > bound:
             problems.append(f"{where}: spills {r['stack'] + r['local']} B/thread > {bound}")
         if mode in ("bf16", "fp16"):
@@ -98,7 +109,7 @@ def _assert_every_config_compiled(target: str, rows: list[dict]) -> None:
         for c in C.forward_candidates(props, dtype, tf32):
             want.add(("_row_stats_kernel", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
     for c in C.all_backward_configs(props):
-        want.add(("_grads_super_kernel", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
+        want.add(("_grads_fused_kernel", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
     missing = want - seen
     assert not missing, f"selectable on {target} but never compiled: {sorted(missing)}"
 
