@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 5): cce_dist's Triton path against the materialized loss and the peers.
+"""GPU benchmark: cce_dist's Triton path against the materialized loss and the peers.
 
 Question: on one GPU, at LLM head shapes in bf16, how do forward, backward and forward+backward
 time and peak memory compare between the materialized ``F.linear`` + ``F.cross_entropy``, its

@@ -147,7 +147,17 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
-    if props.mma in ("wgmma", "tcgen05"):
+    if props.mma == "tcgen05":
+        # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
+        # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
+        if dtype == torch.float32:
+            cands = [FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
+                     FwdConfig(128, 128, 16, num_warps=8, num_stages=3),
+                     FwdConfig(64, 128, 32, num_warps=8, num_stages=3)]
+        else:
+            cands = [FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
+                     FwdConfig(64, 128, bd, num_warps=8, num_stages=3)]
+    elif props.mma == "wgmma":
         cands = [
             FwdConfig(128, 128, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
@@ -169,18 +179,26 @@ def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True
     why it is not tuned): the first candidate whose shared memory fits.
 
     The softcap and filtering epilogues keep more fp32 tiles live (tanh factor, filter test):
-    with a 128x128 tile they spill on every target, so they get 64-row tiles."""
-    del deterministic  # the deterministic kernels share the fused kernel's tile shape
+    with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
+    matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
+    if props.mma == "tcgen05" and deterministic:
+        # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
+        cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
+                 BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
+        if dtype == torch.float32:
+            cands = cands[1:]
+        return next((c for c in cands if _fits(bwd_smem_estimate(c, dtype), props)), SMALL_BWD)
     if dtype == torch.float32:  # TF32
         cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
                  BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
     elif props.mma in ("wgmma", "tcgen05"):
         cands = [BwdConfig(64, 128, 64, 64, group_n=8, num_warps=8, num_stages=3)]
-        if not heavy:
-            cands.insert(0, BwdConfig(128, 128, 64, 64, group_n=8, num_warps=8, num_stages=3))
+        if not heavy:  # tcgen05 reads 64-wide chunks of the dH / dW products back with a spill
+            cands.insert(0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8,
+                                      num_stages=3))
     else:
         cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
         if not heavy:
@@ -198,7 +216,8 @@ def all_backward_configs(props: DeviceProps) -> set[BwdConfig]:
         for tf32 in (True, False):
             for sc in (False, True):
                 for flt in (False, True):
-                    out.add(backward_config(props, dtype, tf32=tf32, softcap=sc, filtering=flt))
+                    for det in (False, True):
+                        out.add(backward_config(props, dtype, tf32=tf32, softcap=sc, filtering=flt, deterministic=det))
     return out
 
 

@@ -102,14 +102,14 @@ def _assert_every_config_compiled(target: str, rows: list[dict]) -> None:
     from cce_dist.kernels import config as C
 
     props = C.KNOWN_DEVICES[target]
-    seen = {(r["kernel"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_V"], r["constexprs"]["BLOCK_D"],
+    seen = {("fwd" if r["kernel"] == "_row_stats_kernel" else "bwd", r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_V"], r["constexprs"]["BLOCK_D"],
              r["constexprs"].get("BLOCK_D_OUT"), r["num_warps"], r["num_stages"]) for r in rows}
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
         for c in C.forward_candidates(props, dtype, tf32):
-            want.add(("_row_stats_kernel", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
+            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
     for c in C.all_backward_configs(props):
-        want.add(("_grads_fused_kernel", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
+        want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
     missing = want - seen
     assert not missing, f"selectable on {target} but never compiled: {sorted(missing)}"
 
