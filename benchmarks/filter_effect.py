@@ -24,11 +24,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the kernels run on the CPU)
 
-import time  # noqa: E402
+import time
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import close_env, env_info, md_table, save_results  # noqa: E402
+from benchmarks.common import close_env, env_info, md_table, save_results
 
 N, D, V = 32, 32, 512
 SHARPNESS = {"broad": 0.5, "peaked": 1.0, "very peaked": 2.0}
@@ -81,8 +81,9 @@ def skip_rates(tiles=((128, 128), (64, 128)), n: int = 1024, v: int = 65536, d: 
 
 
 def main() -> None:
-    import cce_dist
     from cce_dist.kernels import config as kcfg
+
+    import cce_dist
 
     started = time.perf_counter()
     env = env_info()

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import triton
+from triton._C.libtriton import get_cache_invalidating_env_vars
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton._C.libtriton import get_cache_invalidating_env_vars
 from triton.runtime.cache import get_cache_key
 from triton.runtime.jit import create_function_from_signature
 
@@ -37,7 +37,7 @@ from . import backward as _bwd
 from . import config as _config
 from . import forward as _fwd
 
-__all__ = ["Compiled", "cache_dir", "compile_launch", "forward_launches", "backward_launches"]
+__all__ = ["Compiled", "backward_launches", "cache_dir", "compile_launch", "forward_launches"]
 
 
 def cache_dir() -> Path:
@@ -113,7 +113,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
         kernel=name, arch=arch, hash=ck.hash, num_warps=ck.metadata.num_warps,
         num_stages=ck.metadata.num_stages, shared=int(ck.metadata.shared),
         registers=ru["registers"], stack=ru["stack"], local=ru["local"], mma=mma,
-        atomics=len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.M)),
+        atomics=len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.MULTILINE)),
         constexprs={str(k): (v if isinstance(v, (int, float, str, bool)) else str(v))
                     for k, v in kwargs.items() if k.isupper()},
         dtype=str(signature.get("H", "")).lstrip("*"),
@@ -246,7 +246,7 @@ def _compile_case(case, arch: int) -> dict:
     label, kernel, args, kwargs = case
     try:
         return dict(label=label, ok=True, error="", **asdict(compile_launch(kernel, args, kwargs, arch)))
-    except Exception as e:  # reported, and failed, by the test
+    except Exception as e:  # noqa: BLE001 - reported (and failed) by the test
         return dict(label=label, ok=False, error=f"{type(e).__name__}: {e}"[:2000], kernel=kernel.fn.__name__,
                     arch=arch, constexprs={k: str(v) for k, v in kwargs.items() if k.isupper()})
 

@@ -53,7 +53,7 @@ class DeviceProps:
     name: str = ""
 
     @staticmethod
-    def of(device: torch.device | str | int | None = None) -> "DeviceProps":
+    def of(device: torch.device | str | int | None = None) -> DeviceProps:
         """The record of a CUDA device (the current one by default)."""
         p = torch.cuda.get_device_properties(device)
         smem = getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0)
