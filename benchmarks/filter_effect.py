@@ -57,6 +57,25 @@ def _skip_share(logits: torch.Tensor, t: torch.Tensor, eps: float, bn: int, bv: 
     return skipped / total
 
 
+def render(p: dict) -> str:
+    e = p["env"]
+    return "\n".join([
+        f"# Gradient filtering on a peaked distribution (Triton interpreter, N={N}, D={D}, V={V})", "",
+        f"- date {e['date']}, git `{e['git_commit']}`, torch {e['torch']}; `python -m benchmarks.filter_effect`",
+        "- tiles: the interpreter's 16 x 32 backward tiles; errors are max |difference| / max |fp64 gradient|",
+        "", md_table(["distribution", "entropy (nats)", "dtype", "filter_eps", "tiles skipped",
+                      "dH filtered vs exact", "dH exact vs fp64", "dW filtered vs exact", "dW exact vs fp64"],
+                     [[r["distribution"], r["mean_entropy_nats"], r["dtype"], f"{r['filter_eps']:.1e}",
+                       f"{100 * r['tiles_skipped']:.0f}%", f"{r['dh_filtered_vs_exact']:.1e}",
+                       f"{r['dh_exact_vs_fp64']:.1e}", f"{r['dw_filtered_vs_exact']:.1e}",
+                       f"{r['dw_exact_vs_fp64']:.1e}"] for r in p["rows"]]), "",
+        "Share of GPU-sized tiles skipped at N=1024, V=65536 (same distributions; the rule evaluated on "
+        "the float64 logits, mean cross-entropy, tiles holding a target kept):", "",
+        md_table(["distribution", "entropy (nats)", "dtype", "tile", "tiles skipped"],
+                 [[r["distribution"], r["mean_entropy_nats"], r["dtype"], r["tile"],
+                   f"{100 * r['tiles_skipped']:.1f}%"] for r in p.get("skip_at_gpu_tiles", [])]), ""])
+
+
 def skip_rates(tiles=((128, 128), (64, 128)), n: int = 1024, v: int = 65536, d: int = 64) -> list[dict]:
     """Share of GPU-sized tiles the rule skips at a larger vocabulary (pure torch on the float64
     logits, no kernel): the same synthetic distributions with V=65536, N=1024."""
@@ -119,26 +138,21 @@ def main() -> None:
     payload = {"env": close_env(env, started), "shape": dict(N=N, D=D, V=V), "rows": rows,
                "skip_at_gpu_tiles": skip_rates()}
 
-    def render(p: dict) -> str:
-        e = p["env"]
-        return "\n".join([
-            f"# Gradient filtering on a peaked distribution (Triton interpreter, N={N}, D={D}, V={V})", "",
-            f"- date {e['date']}, git `{e['git_commit']}`, torch {e['torch']}; `python -m benchmarks.filter_effect`",
-            "- tiles: the interpreter's 16 x 32 backward tiles; errors are max |difference| / max |fp64 gradient|",
-            "", md_table(["distribution", "entropy (nats)", "dtype", "filter_eps", "tiles skipped",
-                          "dH filtered vs exact", "dH exact vs fp64", "dW filtered vs exact", "dW exact vs fp64"],
-                         [[r["distribution"], r["mean_entropy_nats"], r["dtype"], f"{r['filter_eps']:.1e}",
-                           f"{100 * r['tiles_skipped']:.0f}%", f"{r['dh_filtered_vs_exact']:.1e}",
-                           f"{r['dh_exact_vs_fp64']:.1e}", f"{r['dw_filtered_vs_exact']:.1e}",
-                           f"{r['dw_exact_vs_fp64']:.1e}"] for r in p["rows"]]), "",
-            "Share of GPU-sized tiles skipped at N=1024, V=65536 (same distributions; the rule evaluated on "
-            "the float64 logits, mean cross-entropy, tiles holding a target kept):", "",
-            md_table(["distribution", "entropy (nats)", "dtype", "tile", "tiles skipped"],
-                     [[r["distribution"], r["mean_entropy_nats"], r["dtype"], r["tile"],
-                       f"{100 * r['tiles_skipped']:.1f}%"] for r in p.get("skip_at_gpu_tiles", [])]), ""])
+    save_results("filter_effect", payload, render, lambda p, path: None)
 
+
+def add_skip_rates() -> None:
+    """Recompute only the (fast, torch-only) skip-rate table into existing results."""
+    import json
+
+    from benchmarks.common import RESULTS
+
+    payload = json.loads((RESULTS / "filter_effect.json").read_text())
+    payload["skip_at_gpu_tiles"] = skip_rates()
     save_results("filter_effect", payload, render, lambda p, path: None)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    add_skip_rates() if "--skip-rates-only" in sys.argv else main()
