@@ -191,7 +191,7 @@ def schedules(g: dict) -> list[dict]:
         4 * 2 * V * D * 4, "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics")
     for f in (0.5, 0.9):
         add(f"fused + filtering, {int(f * 100)}% tiles skipped", base_atomics * (1 - f), 0, 1 - f,
-            8 * 2 * V * D * 4 * (1 - f), "skip rate depends on the data (peaked LM distributions skip most)")
+            8 * 2 * V * D * 4 * (1 - f), "the skip rate depends on the data (see filter_effect.md)")
     add("deterministic (owner-computes, load-add-store)", 0, 0, 1.5, 2 * (V // bv * N * D + N // bn * V * D) * 4,
         "no atomics; each update is an HBM read+write (blocks exceed L2); 4 matmuls")
     return rows
@@ -259,8 +259,9 @@ def main() -> None:
         "accumulator) the square tile is already optimal, so halving them needs a larger effective tile: "
         "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them "
         "(implemented, `_schedule='super'`, but it spills 136-816 B/thread with Triton 3.9, so it is opt-in); "
-        "filtering removes them in proportion to the skipped tiles and is the biggest lever on real "
-        "(peaked) distributions.",
+        "filtering removes them in proportion to the skipped tiles, but its epilogue needs 64-row tiles to "
+        "stay spill-free, which costs 1.5x the atomics when few tiles are skipped (row 'backward fused "
+        "filter': no skips assumed).",
         "The deterministic schedule moves its outputs through HBM and is the slowest; it is a debugging mode.",
     ]
     plan = [
