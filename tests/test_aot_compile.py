@@ -65,7 +65,7 @@ def _compile(target: str, tmp_path: pathlib.Path) -> list[dict]:
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
     rows = _compile(target, tmp_path)
-    assert len(rows) >= 30, f"matrix too small for {target}: {len(rows)}"
+    assert len(rows) >= 25, f"matrix too small for {target}: {len(rows)}"  # sanity: not silently emptied
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
     limit = LIMITS[target]
