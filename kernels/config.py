@@ -140,10 +140,12 @@ SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
 SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
 
 
-def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True) -> list[FwdConfig]:
+def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True,
+                       softcap: bool = False) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
-    ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores)."""
+    ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
+    ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
@@ -157,6 +159,8 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
         else:
             cands = [FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
                      FwdConfig(64, 128, bd, num_warps=8, num_stages=3)]
+        if softcap:
+            cands = [c for c in cands if c.block_v < 256]
     elif props.mma == "wgmma":
         cands = [
             FwdConfig(128, 128, bd, num_warps=8, num_stages=3),
@@ -164,9 +168,10 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
             FwdConfig(64, 128, bd, num_warps=4, num_stages=4),
         ]
     else:
+        # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
+        # the online-softmax epilogue spills; 64x128 over 8 warps does not.
         cands = [
-            FwdConfig(128, 128, 32, num_warps=8, num_stages=3),
-            FwdConfig(64, 128, 32, num_warps=4, num_stages=4),
+            FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props)]
@@ -189,7 +194,7 @@ def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True
         cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
                  BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
         if dtype == torch.float32:
-            cands = cands[1:]
+            cands = [BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
         return next((c for c in cands if _fits(bwd_smem_estimate(c, dtype), props)), SMALL_BWD)
     if dtype == torch.float32:  # TF32
         cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
@@ -199,10 +204,8 @@ def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True
         if not heavy:  # tcgen05 reads 64-wide chunks of the dH / dW products back with a spill
             cands.insert(0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8,
                                       num_stages=3))
-    else:
+    else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
         cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
-        if not heavy:
-            cands.insert(0, BwdConfig(128, 128, 32, 64, group_n=8, num_warps=8, num_stages=2))
     for c in cands:
         if _fits(bwd_smem_estimate(c, dtype), props):
             return c

@@ -112,11 +112,11 @@ def _triton_config(c: _config.FwdConfig):
                          num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool):
-    """The forward kernel wrapped in a small autotuner for this device and dtype."""
-    key = (props, dtype, tf32)
+def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool):
+    """The forward kernel wrapped in a small autotuner for this device, dtype and epilogue."""
+    key = (props, dtype, tf32, softcap)
     if key not in _TUNED:
-        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32)]
+        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap)]
         _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
     return _TUNED[key]
 
@@ -148,7 +148,7 @@ def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, pr
     else:
         if props is None:
             props = _config.DeviceProps.of(hidden.device)
-        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32")
+        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32", has_softcap)
 
     def splits_of(c: _config.FwdConfig) -> int:
         if _splits is not None:
@@ -207,7 +207,7 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
         temperature=temperature, _splits=_splits, _blocks=_blocks)
     if len(configs) > 1 or (not _INTERPRET and _blocks is None):
         props = _config.DeviceProps.of(device)
-        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32")
+        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"])
 
         def cfg_of(meta) -> _config.FwdConfig:
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
