@@ -141,11 +141,13 @@ SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
 
 
 def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True,
-                       softcap: bool = False) -> list[FwdConfig]:
+                       softcap: bool = False, aligned: bool = True) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
     ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
-    ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05)."""
+    ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05).
+    ``aligned``: rows of H and W start on 16-byte boundaries; unaligned rows get no vectorized /
+    async loads and more address registers, so 256-wide vocab tiles are dropped."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
@@ -174,7 +176,7 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
             FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
-    out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props)]
+    out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 
 

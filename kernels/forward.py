@@ -112,11 +112,18 @@ def _triton_config(c: _config.FwdConfig):
                          num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool):
-    """The forward kernel wrapped in a small autotuner for this device, dtype and epilogue."""
-    key = (props, dtype, tf32, softcap)
+def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows of ``hidden`` and ``weight`` start on 16-byte boundaries (what the compiler's
+    divisibility specialization needs for vectorized loads)."""
+    e = hidden.element_size()
+    return all((t.data_ptr() % 16 == 0) and (t.stride(0) * e) % 16 == 0 and t.stride(1) == 1 for t in (hidden, weight))
+
+
+def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool, aligned: bool):
+    """The forward kernel wrapped in a small autotuner for this device, dtype, epilogue and alignment."""
+    key = (props, dtype, tf32, softcap, aligned)
     if key not in _TUNED:
-        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap)]
+        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap, aligned)]
         _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
     return _TUNED[key]
 
@@ -148,7 +155,8 @@ def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, pr
     else:
         if props is None:
             props = _config.DeviceProps.of(hidden.device)
-        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32", has_softcap)
+        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32", has_softcap,
+                                             _rows_aligned(hidden, weight))
 
     def splits_of(c: _config.FwdConfig) -> int:
         if _splits is not None:
@@ -207,7 +215,8 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
         temperature=temperature, _splits=_splits, _blocks=_blocks)
     if len(configs) > 1 or (not _INTERPRET and _blocks is None):
         props = _config.DeviceProps.of(device)
-        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"])
+        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"],
+                               _rows_aligned(hidden, weight))
 
         def cfg_of(meta) -> _config.FwdConfig:
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
