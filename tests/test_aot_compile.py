@@ -55,13 +55,14 @@ def _compile(target: str, tmp_path: pathlib.Path) -> list[dict]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # the kernels set it explicitly; silences the 3.9 warning
     out = tmp_path / f"{target}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--json", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--json", str(out), "--jobs", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1700, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
+@pytest.mark.timeout(1800)  # a cold cache compiles ~29 kernels per target (minutes on 2 cores); warm: seconds
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
     rows = _compile(target, tmp_path)
