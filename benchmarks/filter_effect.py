@@ -10,9 +10,9 @@ rounds away.
 Setup: N=32 tokens, D=32, V=512 (the interpreter's 16x32 backward tiles: 32 tile pairs),
 logits of unrelated tokens spread with std ~3 (a heavy tail of tiny probabilities, as in LMs) and
 hidden states pulled towards their target's weight row so the softmax is peaked, at three
-sharpness levels (mean entropy reported). For bf16 (fp32's threshold, 2**-28, skips nothing here): the share of tiles the
-kernel's rule skips (evaluated on the float64 logits with the kernel's tile shape), and the
-largest gradient difference filtered vs exact, next to the exact kernel's own difference from
+sharpness levels (mean entropy reported). For bf16 (fp32's threshold, 2**-28, skips nothing
+here): the share of tiles the kernel's rule skips (evaluated on the float64 logits with the
+kernel's tile shape), and the largest gradient difference filtered vs exact, next to the exact kernel's own difference from
 the float64 oracle (the dtype's rounding), both relative to the largest gradient entry.
 
     python -m benchmarks.filter_effect      # -> benchmarks/results/filter_effect.{md,json}

@@ -155,7 +155,8 @@ def model(r: dict, g: dict) -> dict:
             atomic_bytes = 0
     eff = MMA_EFF_BIG if (bn >= 128 or bv >= 256) and warps >= 8 else MMA_EFF_SMALL
     t_mma = mma_flops / (g["peak_bf16"] * eff * fill)
-    t_elem = logits * (alu / (ALU_PER_CLK * g["sms"] * g["clock_hz"]) + mufu / (MUFU_PER_CLK * g["sms"] * g["clock_hz"]))
+    per_s = g["sms"] * g["clock_hz"]
+    t_elem = logits * (alu / (ALU_PER_CLK * per_s) + mufu / (MUFU_PER_CLK * per_s))
     t_hbm = hbm / (g["hbm_bps"] * HBM_EFF)
     t_atomic = atomic_bytes / ATOMIC_BPS
     bounds = {"tensor+elementwise": t_mma + t_elem, "hbm": t_hbm, "atomics": t_atomic}

@@ -73,7 +73,8 @@ def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
     problems = []
     for r in rows:
         mode = r["label"].split("/")[0]
-        where = f"{r['label']} {r['constexprs'].get('BLOCK_N')}x{r['constexprs'].get('BLOCK_V')} w{r['num_warps']}s{r['num_stages']}"
+        c = r["constexprs"]
+        where = f"{r['label']} {c.get('BLOCK_N')}x{c.get('BLOCK_V')} w{r['num_warps']}s{r['num_stages']}"
         if r["shared"] > limit:
             problems.append(f"{where}: shared {r['shared']} B > {limit} B")
         if mode == "fp32":
