@@ -116,6 +116,20 @@ def grad_tol(dtype: torch.dtype, ref: torch.Tensor) -> float:
     return k * scale + (1e-7 if dtype == torch.float32 else EPS[dtype] * 1e-2)
 
 
+def store_rounding_tol(compute: torch.dtype, stored: torch.dtype, ref: torch.Tensor) -> float:
+    """Extra tolerance when a gradient computed in ``compute`` is stored in a coarser ``stored`` dtype.
+
+    The oracle and cce_dist each round their (already slightly different) ``compute``-dtype gradient
+    once more to ``stored`` (e.g. an fp16 head with a bf16 hidden: dH is formed in fp16 and returned
+    in bf16), so the two may land on neighbouring ``stored`` values: one ulp of ``stored``, which is
+    at most ``2 * EPS[stored] * |ref|`` for bf16 / fp16 (EPS is their unit roundoff).
+    """
+    if stored == compute or stored == torch.float32 or EPS[stored] <= EPS[compute]:
+        return 0.0
+    scale = float(ref.detach().float().abs().max()) if ref.numel() else 0.0
+    return 2 * EPS[stored] * scale
+
+
 def leaves(*ts, need=None):
     need = need or (True,) * len(ts)
     return [None if t is None else t.detach().clone().requires_grad_(bool(r and t.is_floating_point()))
@@ -269,7 +283,8 @@ def check_cross_entropy(data, impl: str, small: bool):
             if x.dtype != src.dtype:
                 fails.append(f"d{name} dtype {x.dtype} != {src.dtype}")
             lowp = cd if cd != torch.float32 else src.dtype
-            tol = grad_tol(lowp, y) * (1 + 2 * zl * (zmax + math.log(max(v, 1)) + 1))
+            tol = grad_tol(lowp, y) * (1 + 2 * zl * (zmax + math.log(max(v, 1)) + 1)) + \
+                store_rounding_tol(lowp, src.dtype, y)
             if (r := close_report(x.float(), y.float(), tol, 0.0)):
                 fails.append(f"d{name}: {r}")
     after = [h, w, t] + ([b] if b is not None else [])
@@ -333,7 +348,7 @@ def check_logprobs(data, impl: str, small: bool):
                 fails.append(f"d{name} dtype {x.dtype} != {src.dtype}")
             lowp = cd if cd != torch.float32 else src.dtype
             # entropy gradients carry a factor |z|: scale the tolerance with the logit range
-            tol = grad_tol(lowp, y) * (1 + (zmax if ret_ent else 0.0))
+            tol = grad_tol(lowp, y) * (1 + (zmax if ret_ent else 0.0)) + store_rounding_tol(lowp, src.dtype, y)
             if (r := close_report(x.float(), y.float(), tol, 0.0)):
                 fails.append(f"d{name}: {r}")
     assert not fails, f"{impl} logprobs {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
