@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every public entry point against the materialized oracle (issue 7).
+"""Property-based fuzzing of every public entry point against the materialized oracle.
 
 Single process (hypothesis): ``linear_cross_entropy``, ``LinearCrossEntropy`` and
 ``linear_logprobs`` on random shapes (N = 0 and 1, V = 1, V smaller than a chunk, V and D not a
@@ -26,6 +26,7 @@ for any failure).
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import random
@@ -45,6 +46,11 @@ from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linea
 
 LONG = int(os.environ.get("CCE_FUZZ_EXAMPLES", "0") or 0)
 
+#: cases this process checked against the oracle and found right, by property family (counted after
+#: the last assertion of a case; read by ``python -m benchmarks.reliability_counts``). For a
+#: property that failed, hypothesis's shrinking adds the passing cases it tried.
+CHECKED: collections.Counter = collections.Counter()
+
 
 def fuzz_settings(ci_examples: int) -> settings:
     """CI: ``ci_examples`` fixed, derandomized examples; long mode: CCE_FUZZ_EXAMPLES fresh ones."""
@@ -58,7 +64,7 @@ def fuzz_settings(ci_examples: int) -> settings:
     )
 
 
-# examples per property in CI (the figures in docs/reliability.md are derived from these)
+# examples per property in CI (the README's Reliability figures: python -m benchmarks.reliability_counts)
 CI_TORCH_CE = 120
 CI_TORCH_LP = 80
 CI_TRITON_CE = 14
@@ -292,6 +298,7 @@ def check_cross_entropy(data, impl: str, small: bool):
         fails.append("an input was modified in place")
     assert not fails, f"{impl} cross-entropy {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
         "; ".join(fails)
+    CHECKED[f"{impl} cross-entropy"] += 1
 
 
 def check_logprobs(data, impl: str, small: bool):
@@ -353,6 +360,7 @@ def check_logprobs(data, impl: str, small: bool):
                 fails.append(f"d{name}: {r}")
     assert not fails, f"{impl} logprobs {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
         "; ".join(fails)
+    CHECKED[f"{impl} logprobs"] += 1
 
 
 @fuzz_settings(CI_TORCH_CE)
@@ -557,3 +565,5 @@ def test_fuzz_sharded_gloo(tmp_path):
     fails = [f for r in res.values() for f in r["fails"]]
     assert not fails, "\n".join(fails[:20])
     assert all(r["cases"] == n_torch + n_triton for r in res.values()), res
+    CHECKED[f"sharded torch ({WORLD} ranks)"] += n_torch
+    CHECKED[f"sharded triton ({WORLD} ranks)"] += n_triton
