@@ -21,6 +21,12 @@ When the patched path runs (the model is in training mode and ``labels`` are giv
 labels, ``logits_to_keep`` other than 0, or eval mode with ``eval_logits=True`` (the default, so
 ``Trainer.evaluate`` / ``compute_metrics`` still see logits).
 
+PEFT models (``get_peft_model(...)``) are patched through the causal LM inside them, so their
+forward computes through cce_dist; other wrappers, and models whose ``.model`` is not the decoder,
+are refused. The patched forward is a picklable object (``torch.save(model)`` / ``torch.load`` and
+``copy.deepcopy`` keep the patch) and compiles with ``torch.compile(model, fullgraph=True)``. With
+``return_dict=False`` it returns the original's tuple layout with ``None`` in the logits position.
+
 Supported families (tested): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 (text). Other
 models whose causal-LM head is exactly "decoder -> lm_head (-> final softcap)" can be patched
 with ``allow_unlisted=True``; models that rescale logits otherwise (Cohere's ``logit_scale``,
