@@ -264,8 +264,8 @@ def test_wrappers_whose_model_is_not_the_decoder_are_refused():
             super().__init__()
             self.model, self.lm_head, self.config = lm, lm.lm_head, lm.config
 
-        def forward(self, **kw):
-            return self.model(**kw)
+        def forward(self, input_ids=None, labels=None, **kw):
+            return self.model(input_ids=input_ids, labels=labels, **kw)
 
     with pytest.raises(TypeError, match="patch the causal LM inside"):
         cce_hf.patch(Wrapper(model))
@@ -346,3 +346,22 @@ def test_tuple_output_keeps_the_original_positions(extra):
             assert len(g) == len(r)
             for a, b in zip(g, r):
                 torch.testing.assert_close(a, b)
+
+
+def test_trainer_example_with_lora_trains_through_cce_dist(capsys, monkeypatch):
+    """``--lora``: the Trainer fine-tunes a PEFT model whose loss comes from cce_dist (never from logits)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    import importlib.util
+    import math
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("hf_trainer_finetune",
+                                                  os.path.join(root, "examples", "hf_trainer_finetune.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loss_calls = _count_loss_calls(monkeypatch)
+    last = example.main(["--max-steps", "2", "--lora"])
+    out = capsys.readouterr().out
+    assert "LoRA:" in out and "steps: 2" in out and math.isfinite(last)
+    assert len(loss_calls) == 2 * 2  # 2 optimizer steps x 2 accumulated micro-batches, all through cce_dist
