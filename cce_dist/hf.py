@@ -180,16 +180,17 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Restore the forward that :func:`patch` replaced (exactly: the same attribute as before)."""
     outer = model
     model = _find_causal_lm(model)
-    state = vars(model).get(_STATE_ATTR)
+    state: _PatchedForward | None = vars(model).get(_STATE_ATTR)
     if state is None:
         raise ValueError(f"{type(model).__name__} instance is not patched by cce_dist.hf.patch")
+    had_previous, previous = state.had_previous, state.previous
     if vars(model).get("forward") is not state:
         raise RuntimeError(
             "cce_dist.hf.unpatch: model.forward was replaced again after patching (e.g. by a wrapper that "
             "stores its own forward); undo that wrapper first, then unpatch"
         )
-    if state.had_previous:
-        object.__setattr__(model, "forward", state.previous)
+    if had_previous:
+        object.__setattr__(model, "forward", previous)
     else:
         del model.__dict__["forward"]
     del model.__dict__[_STATE_ATTR]
@@ -285,7 +286,8 @@ def _patched_forward(patched: _PatchedForward, args: tuple, kwargs: dict):
     shift_labels = decoder_kwargs.get("shift_labels")
 
     head = _check_head(model)  # again: an adapter may have wrapped lm_head after patching
-    outputs = model.model(**decoder_kwargs)
+    decoder: Any = model.model
+    outputs = decoder(**decoder_kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     if shift_labels is not None:
         targets, shift = shift_labels, 0
@@ -317,5 +319,5 @@ def _output(decoder_outputs, loss, return_dict: bool):
     attentions = getattr(decoder_outputs, "attentions", None)
     if not return_dict:
         return (loss, None) + tuple(x for x in (past, hidden_states, attentions) if x is not None)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=past, hidden_states=hidden_states,
-                                  attentions=attentions)
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=past,  # type: ignore[call-arg]
+                                  hidden_states=hidden_states, attentions=attentions)
