@@ -15,7 +15,8 @@ and counts from what actually ran, never from constants alone:
   only when the test that injects it passed;
 - non-finite single-process cases: the passed items of
   ``test_numerics.py::test_nonfinite_inputs_propagate_like_the_materialized_loss``;
-- every test's outcome and wall time, the failures (a hang is a failure: the spawn deadline of
+- every test's outcome and wall time (in long mode pytest-timeout's per-test limit is lifted unless
+  ``--timeout=`` is passed), the failures (a hang is a failure: the spawn deadline of
   ``tests/dist_utils.py`` turns it into a ``TimeoutError``), and the whole run's wall time.
 
 Writes ``benchmarks/results/reliability_counts[_<tag>].json`` and ``.md`` (tag: ``long<N>`` in long
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     env = env_info()
     rec = _Recorder()
     os.chdir(REPO)
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", *[SUITES[s] for s in suites], *args.pytest_args],
-                     plugins=[rec])
+    extra = list(args.pytest_args)
+    if long and not any(a.startswith("--timeout") for a in extra):
+        extra.append("--timeout=0")  # pyproject's 600 s per test would cut a long property short
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", *[SUITES[s] for s in suites], *extra], plugins=[rec])
     payload = {"command": command, "exit_status": int(rc), "counts": _count(rec),
                "outcomes": rec.outcomes, "durations_s": {k: round(v, 2) for k, v in rec.durations.items()},
                "env": close_env(env, started)}
