@@ -4,22 +4,27 @@ Public API:
 
 - :func:`linear_cross_entropy` — loss of ``hidden @ weight.T (+ bias)`` against target ids.
 - :func:`linear_logprobs` — per-token log-probabilities (and entropies) for RL scoring.
+- :func:`linear_distillation` — KL / reverse KL / JSD between a teacher's and a student's heads.
 - :class:`LinearCrossEntropy` — the module form of :func:`linear_cross_entropy`.
 - :class:`VocabShard` — this rank's slice of a vocab-parallel head and its process group.
-- :class:`CrossEntropyOptions`, :class:`LogprobOptions` — the options, one frozen dataclass each.
+- :class:`CrossEntropyOptions`, :class:`LogprobOptions`,
+  :class:`DistillationOptions` — the options, one frozen dataclass each.
 """
 
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
-from .options import CrossEntropyOptions, LogprobOptions
+from .distill import linear_distillation
+from .options import CrossEntropyOptions, DistillationOptions, LogprobOptions
 from .parallel import InputError, VocabShard
 
 __all__ = [
     "CrossEntropyOptions",
+    "DistillationOptions",
     "InputError",
     "LinearCrossEntropy",
     "LogprobOptions",
     "VocabShard",
     "linear_cross_entropy",
+    "linear_distillation",
     "linear_logprobs",
 ]
 # The one version source: pyproject.toml reads it (tool.setuptools.dynamic).

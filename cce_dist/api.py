@@ -37,11 +37,6 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
-# The former private names, still imported by cce_dist.distill: switch it to cce_dist.prepare, then delete these.
-_check_target_range = check_target_range
-_compute_dtype = compute_dtype
-_grad_needs = grad_needs
-
 
 # ----------------------------------------------------------------------------------------------
 # the eager driver

@@ -152,3 +152,120 @@ class LogprobOptions(CommonOptions):
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not _finite(t):
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+
+
+Divergence = Literal["kl", "reverse_kl", "jsd"]
+DIVERGENCES = ("kl", "reverse_kl", "jsd")
+
+
+def _check_number(name: str, x, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
+    """``x`` as a float in the interval from ``lo`` to ``hi`` (open ends where asked), else a ValueError."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
+    if ok:
+        ok = (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {x!r}")
+    return float(x)
+
+
+@dataclass(frozen=True)
+class DistillationOptions:
+    """Options of :func:`cce_dist.linear_distillation` (knowledge distillation from two heads).
+
+    divergence        "kl" = KL(p_teacher || p_student) (forward, Hinton et al.), "reverse_kl" =
+                      KL(p_student || p_teacher), "jsd" = generalized Jensen-Shannon with ``beta``
+    beta              jsd only, in (0, 1): ``M = beta*p_t + (1-beta)*p_s`` and
+                      ``JSD = beta*KL(p_t || M) + (1-beta)*KL(p_s || M)`` (Liger's fused linear JSD
+                      and the GKD paper; beta -> 0 / 1 tends to (beta times) the forward / reverse KL)
+    temperature       both heads' logits are divided by it (after the softcap), > 0
+    scale_by_temperature_squared
+                      multiply the divergence by ``temperature**2`` (Hinton et al.: keeps the soft
+                      gradients' scale independent of T); False gives Liger's convention (no factor)
+    hard_label_weight w in [0, 1]: ``loss = (1-w) * soft + w * CE(student logits at T=1, targets)``;
+                      w > 0 needs targets
+    ignore_index      rows whose target equals it contribute 0 loss and no gradient (with targets)
+    reduction         "mean" (over non-ignored rows; 0 if there are none), "sum" or "none"
+    softcap           None, one number for both heads, or a pair ``(student, teacher)`` (each None
+                      or > 0): ``softcap * tanh(z / softcap)`` on that head's logits
+    shard             a :class:`cce_dist.VocabShard` (both heads hold the same vocab rows), or None
+    impl              "auto" or "torch" (the torch implementation on any device); "triton" is not
+                      implemented for distillation yet
+    chunk_size        logits of one head per token chunk (tokens x vocab entries), None = the
+                      cross-entropy's default (``DEFAULT_CHUNK_SIZE``, at least ``MIN_CHUNK_TOKENS``
+                      tokens); a chunk holds 3 (forward KL) or 4 float32 blocks of that size
+    grad_in_forward   form the student's gradients during forward when the loss is a scalar (the
+                      teacher's logits are computed once instead of twice); None = whenever it applies
+    """
+
+    divergence: Divergence = "kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+    scale_by_temperature_squared: bool = True
+    hard_label_weight: float = 0.0
+    ignore_index: int = -100
+    reduction: Reduction = "mean"
+    softcap: Union[None, float, tuple] = None
+    shard: Optional["VocabShard"] = None
+    impl: Impl = "auto"
+    chunk_size: Optional[int] = None
+    grad_in_forward: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        object.__setattr__(self, "beta", _check_number("beta", self.beta, 0.0, 1.0, lo_open=True, hi_open=True))
+        object.__setattr__(self, "temperature",
+                           _check_number("temperature", self.temperature, 0.0, math.inf, lo_open=True, hi_open=True))
+        object.__setattr__(self, "hard_label_weight",
+                           _check_number("hard_label_weight", self.hard_label_weight, 0.0, 1.0))
+        if not isinstance(self.scale_by_temperature_squared, bool):
+            raise TypeError(f"scale_by_temperature_squared must be a bool, got {self.scale_by_temperature_squared!r}")
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        caps = self.softcap if isinstance(self.softcap, tuple) else (self.softcap, self.softcap)
+        if len(caps) != 2:
+            raise ValueError(f"softcap must be None, a number or a pair (student, teacher), got {self.softcap!r}")
+        try:
+            caps = tuple(_check_softcap(c) for c in caps)
+        except ValueError:
+            raise ValueError(
+                f"softcap must be None, a finite number > 0 or a pair (student, teacher) of those, got {self.softcap!r}"
+            ) from None
+        object.__setattr__(self, "softcap", caps)
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.impl == "triton":
+            raise NotImplementedError(
+                "impl='triton' is not implemented for linear_distillation yet: use impl='torch' (any device)"
+            )
+        if self.chunk_size is not None and (
+            not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
+        ):
+            raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
+        if self.grad_in_forward not in (None, True, False):
+            raise TypeError(f"grad_in_forward must be None or a bool, got {self.grad_in_forward!r}")
+        if self.shard is not None:
+            from .parallel import VocabShard
+
+            if not isinstance(self.shard, VocabShard):
+                raise TypeError(f"shard must be a cce_dist.VocabShard or None, got {type(self.shard).__name__}")
+
+    @property
+    def student_softcap(self) -> Optional[float]:
+        return self.softcap[0]
+
+    @property
+    def teacher_softcap(self) -> Optional[float]:
+        return self.softcap[1]
+
+    @property
+    def soft_scale(self) -> float:
+        """The factor of the divergence in the loss: ``(1 - w) * (T**2 if scaled else 1)``."""
+        t2 = self.temperature**2 if self.scale_by_temperature_squared else 1.0
+        return (1.0 - self.hard_label_weight) * t2
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)

@@ -289,6 +289,15 @@ class Comm:
         """The shard when this call's collectives run (a group of more than one rank), else None."""
         return self.shard if self.active else None
 
+    def reduce_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM of this rank's plain per-row partial sums (e.g. a divergence's sum over its
+        vocab rows once the global lse is known); the input itself on a single device."""
+        if not self.active:
+            return local
+        out = local.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
     def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sequence parallelism: all-gather ``[n/P, ...]`` along dim 0 into ``[n, ...]``."""
         shard = self._group_shard()

@@ -6,6 +6,9 @@ text below, and a randomly initialised model, so it runs on a laptop CPU in well
     pip install -e ".[hf]" accelerate
     python examples/hf_trainer_finetune.py --max-steps 40
 
+``--lora`` trains LoRA adapters (peft) instead of the whole model: ``cce_dist.hf.patch`` takes the
+PEFT model as it is and patches the causal LM inside it.
+
 The one line that matters is ``cce_dist.hf.patch(model)``: from then on ``model(..., labels=...)``
 in training mode returns the loss without ever forming the [batch, seq, vocab] logits (the
 output's ``logits`` is None). Gradient accumulation works as usual: the Trainer passes
@@ -90,6 +93,7 @@ def main(argv=None) -> float:
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--output-dir", default=None)
     p.add_argument("--check", action="store_true", help="compare with the unpatched model first; assert learning")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters on the attention projections (peft)")
     args = p.parse_args(argv)
 
     dataset = ByteBlocks(TEXT)
@@ -97,7 +101,16 @@ def main(argv=None) -> float:
     if args.check:
         check_against_unpatched(model, dataset)
 
-    cce_dist.hf.patch(model)  # <- the integration
+    if args.lora:
+        import peft
+
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                               task_type="CAUSAL_LM")  # lm_head stays a plain nn.Linear
+        model = peft.get_peft_model(model, lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"LoRA: {trainable} trainable parameters")
+
+    cce_dist.hf.patch(model)  # <- the integration (a PEFT model: the causal LM inside is patched)
 
     with tempfile.TemporaryDirectory() as tmp:
         targs = TrainingArguments(

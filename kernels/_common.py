@@ -68,9 +68,12 @@ def interp_bf16(dtype: torch.dtype, interpret: bool) -> bool:
     return interpret and dtype == torch.bfloat16
 
 
-def dot_precision(dtype: torch.dtype, interpret: bool) -> str:
-    """fp32 inputs: exact ('ieee') unless torch itself allows TF32 matmuls; else irrelevant."""
-    if dtype == torch.float32 and not interpret and torch.backends.cuda.matmul.allow_tf32:
+def dot_precision(dtype: torch.dtype, interpret: bool, allow_tf32: bool | None = None) -> str:
+    """fp32 inputs: exact ('ieee') unless TF32 matmuls are allowed (``allow_tf32``; default:
+    whether torch itself allows them); other dtypes: irrelevant ('ieee')."""
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    if dtype == torch.float32 and not interpret and allow_tf32:
         return "tf32"
     return "ieee"
 

@@ -193,6 +193,164 @@ def _grads_fused_kernel(
 
 
 @triton.jit
+def _grad_chunk2(A0, X0, offs_x0, x0_ok, A1, X1, offs_x1, x1_ok, stride_xr, stride_xc, d0, D,
+                 DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_D_OUT: tl.constexpr):
+    """``A0 @ X0[offs_x0, d0:d0+BLOCK_D_OUT] + A1 @ X1[offs_x1, d0:...]`` in fp32: one output chunk
+    of a gradient over two tiles of the accumulation dimension (rows outside ``x*_ok`` read 0)."""
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    d_ok = offs_do < D - d0
+    x0 = tl.load(X0 + offs_x0[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+                 mask=x0_ok[:, None] & d_ok[None, :], other=0.0)
+    x1 = tl.load(X1 + offs_x1[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+                 mask=x1_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = mma(A0, x0, tl.zeros((A0.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
+    return mma(A1, x1, acc, DOT_PRECISION, INTERP_BF16)
+
+
+@triton.jit
+def _grads_super_kernel(
+    H, W, Bias, Targets, LSE, Coef, DH, DW, DB, Scratch,
+    N, V, D, vocab_start, softcap, temperature, filter_eps,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    stride_dhn, stride_dwv,
+    NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """
+    Fused backward over 2x2 super-tiles (two token tiles x two vocab tiles), persistent: half the
+    global atomics of :func:`_grads_fused_kernel` for the same tiles and the same FLOPs.
+
+    Each dH row block is updated once per *pair* of vocab tiles (``dz_a @ W_a + dz_b @ W_b`` in one
+    fp32 accumulator, one atomic per element) and each dW row block once per pair of token tiles.
+    The four dz tiles of a super-tile are computed in turn (same code as the fused kernel); three
+    are parked in this program's slice of ``Scratch`` (compute dtype, ``[programs, 3, BLOCK_N,
+    BLOCK_V]``, i.e. 3 tiles per resident program: 12 MB for 132 programs of 128x128 bf16) until
+    their partner is ready, the fourth stays in registers. Order for tiles 00, 01, 10, 11
+    (token, vocab): dz00, dz01 -> dH0 += dz00 W0 + dz01 W1; dz10 -> dW0 += dz00' h0 + dz10' h1;
+    dz11 -> dW1 += dz01' h0 + dz11' h1, dH1 += dz10 W0 + dz11 W1. Program ``pid`` walks super-tiles
+    ``pid, pid + programs, ...`` in the grouped order of the fused kernel (L2 reuse of W).
+    Other parameters as in :func:`_grads_fused_kernel`.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_sn = tl.cdiv(tl.cdiv(N, BLOCK_N), 2)
+    num_sv = tl.cdiv(tl.cdiv(V, BLOCK_V), 2)
+    per_group = GROUP_N * num_sv
+    tile = tl.arange(0, BLOCK_N).to(tl.int64)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)[None, :]
+    slot = Scratch + pid.to(tl.int64) * (3 * BLOCK_N * BLOCK_V) + tile
+    for st in range(pid, num_sn * num_sv, nprog):
+        first_n = (st // per_group) * GROUP_N
+        group_size = tl.minimum(num_sn - first_n, GROUP_N)
+        sn = first_n + (st % per_group) % group_size
+        sv = (st % per_group) // group_size
+        offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        offs_n1 = offs_n0 + BLOCK_N
+        offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+        offs_v1 = offs_v0 + BLOCK_V
+        n0_ok = offs_n0 < N
+        n1_ok = offs_n1 < N
+        v0_ok = offs_v0 < V
+        v1_ok = offs_v1 < V
+
+        # dz00, dz01: parked in slots 0 and 1 (dz01 also kept in registers for dH0).
+        dz, keep, act0 = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n0, offs_v0, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        dz = tl.where(keep, dz, 0.0)  # a filtered tile contributes nothing, as in the fused kernel
+        keep00 = keep
+        db0 = tl.sum(dz, axis=0)
+        tl.store(slot, round_to(dz, H.dtype.element_ty, INTERP_BF16).to(Scratch.dtype.element_ty))
+        dz, keep, act0 = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n0, offs_v1, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        dz = tl.where(keep, dz, 0.0)
+        keep01 = keep
+        db1 = tl.sum(dz, axis=0)
+        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        tl.store(slot + BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
+        tl.debug_barrier()
+        if NEED_DH:
+            if keep00 | keep01:
+                a0 = tl.load(slot).to(dzc.dtype)
+                for d0 in range(0, D, BLOCK_D_OUT):
+                    part = _grad_chunk2(a0, W, offs_v0, v0_ok, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd,
+                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+                    tl.atomic_add(DH + offs_n0[:, None] * stride_dhn + offs_do[None, :], part,
+                                  mask=n0_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+
+        # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
+        dz, keep, act1 = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n1, offs_v0, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        dz = tl.where(keep, dz, 0.0)
+        keep10 = keep
+        db0 += tl.sum(dz, axis=0)
+        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        tl.store(slot + 2 * BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
+        tl.debug_barrier()
+        if NEED_DB:
+            tl.atomic_add(DB + offs_v0, db0, mask=v0_ok, sem="relaxed")
+        if NEED_DW:
+            if keep00 | keep10:
+                a0 = tl.trans(tl.load(slot).to(dzc.dtype))
+                a1 = tl.trans(dzc)
+                for d0 in range(0, D, BLOCK_D_OUT):
+                    part = _grad_chunk2(a0, H, offs_n0, act0, a1, H, offs_n1, act1, stride_hn, stride_hd,
+                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+                    tl.atomic_add(DW + offs_v0[:, None] * stride_dwv + offs_do[None, :], part,
+                                  mask=v0_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+
+        # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
+        dz, keep, act1 = _dz_tile(
+            H, W, Bias, Targets, LSE, Coef, offs_n1, offs_v1, N, V, D,
+            vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
+            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        dz = tl.where(keep, dz, 0.0)
+        keep11 = keep
+        db1 += tl.sum(dz, axis=0)
+        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        if NEED_DB:
+            tl.atomic_add(DB + offs_v1, db1, mask=v1_ok, sem="relaxed")
+        if NEED_DW:
+            if keep01 | keep11:
+                a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
+                a1 = tl.trans(dzc)
+                for d0 in range(0, D, BLOCK_D_OUT):
+                    part = _grad_chunk2(a0, H, offs_n0, act0, a1, H, offs_n1, act1, stride_hn, stride_hd,
+                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+                    tl.atomic_add(DW + offs_v1[:, None] * stride_dwv + offs_do[None, :], part,
+                                  mask=v1_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+        if NEED_DH:
+            if keep10 | keep11:
+                a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
+                for d0 in range(0, D, BLOCK_D_OUT):
+                    part = _grad_chunk2(a0, W, offs_v0, v0_ok, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd,
+                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+                    tl.atomic_add(DH + offs_n1[:, None] * stride_dhn + offs_do[None, :], part,
+                                  mask=n1_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+        tl.debug_barrier()  # every thread is done with the slots before the next super-tile
+
+
+@triton.jit
 def _add_product_rows(
     A, X, offs_x, x_ok, stride_xr, stride_xc, Out, offs_o, o_ok, stride_or, D,
     DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_D_OUT: tl.constexpr,
@@ -316,52 +474,55 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
         db.add_(gamma.sum())
 
 
-def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
-          _blocks=None):
-    """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
-    float32, None where not needed (``d_bias`` is None when ``bias`` is None).
+def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+         need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, props=None,
+         allow_tf32=None, _blocks=None, _schedule="tiles"):
+    """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
-    ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
-    fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
-    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
-    it relative to their row's coefficient scale (see the module docstring; None = exact).
-    ``deterministic``: no float atomics, bitwise repeatable.
-    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
+    ``dh`` / ``dw`` / ``db`` are the zeroed fp32 outputs (None where not needed); ``launches`` is
+    a list of ``(kernel, grid, args, kwargs)`` to run in order as ``kernel[grid](*args, **kwargs)``
+    (kwargs hold the constexprs and the compile options). Works on ``meta`` tensors, which is how
+    tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
+    ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
+    ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
+    Other arguments as in :func:`grads`.
     """
-    check_inputs(_INTERPRET, hidden, weight, bias, targets)
+    schedule = _schedule
+    if schedule not in ("super", "tiles"):
+        raise ValueError(f"_schedule must be 'super' or 'tiles', got {schedule!r}")
     n, d = hidden.shape
     v = weight.shape[0]
     device = hidden.device
-    if lse.shape != (n,):
-        raise ValueError(f"lse must be [N] = [{n}], got {tuple(lse.shape)}")
-    if coef.shape != (n, NUM_COEFS):
-        raise ValueError(f"coef must be [N, {NUM_COEFS}] = [{n}, {NUM_COEFS}], got {tuple(coef.shape)}")
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.zeros(n, d, **f32) if need_hidden else None
     dw = torch.zeros(v, d, **f32) if need_weight else None
     db = torch.zeros(v, **f32) if need_bias else None
     if n == 0 or v == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
-        return dh, dw, db
+        return dh, dw, db, []
 
     has_softcap = softcap is not None and softcap != 0
     has_temp = temperature is not None and float(temperature) != 1.0
     filt = filter_eps is not None
     gamma_in_tile = not (filt and not has_softcap)
     interpret = _INTERPRET
-    targets = targets.to(torch.int64)
-    lse = lse.to(torch.float32).contiguous()
-    coef = coef.to(torch.float32)
+    precision = dot_precision(hidden.dtype, interpret, allow_tf32)
 
     if _blocks is not None:
         bn, bv, bd, bdo = _blocks
         group_n, warps, stages = 2, 4, 2
     else:
-        c = _config.INTERPRET_BWD if interpret else _config.backward_config(device, hidden.dtype)
+        if interpret:
+            c = _config.INTERPRET_BWD
+        else:
+            if props is None:
+                props = _config.DeviceProps.of(device)
+            c = _config.backward_config(props, hidden.dtype, tf32=precision == "tf32", softcap=has_softcap,
+                                        filtering=filt, deterministic=deterministic)
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
-    launch = {} if interpret else dict(num_warps=warps, num_stages=stages)
+    launch = {} if interpret else dict(num_warps=warps, num_stages=stages,
+                                       enable_fp_fusion=_config.ENABLE_FP_FUSION)
 
     common = (
         hidden, weight, bias if bias is not None else hidden, targets, lse, coef,
@@ -379,40 +540,90 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
         HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
         FILTER=filt, GAMMA_IN_TILE=gamma_in_tile,
         USE_LIBDEVICE=use_libdevice(interpret),
-        DOT_PRECISION=dot_precision(hidden.dtype, interpret),
+        DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, BLOCK_D_OUT=bdo,
     )
     dummy = lse  # never dereferenced: the matching NEED_* flag is False
 
-    if not deterministic:
+    launches = []
+    if not deterministic and schedule == "super":
+        supers = triton.cdiv(triton.cdiv(n, bn), 2) * triton.cdiv(triton.cdiv(v, bv), 2)
+        per_program = 3 * bn * bv * hidden.element_size()
+        # Persistent: one program per SM (or 3 in the interpreter, so tests walk several super-tiles
+        # per program), with the scratch capped at SUPER_SCRATCH_BYTES.
+        progs = 3 if props is None else props.sms
+        progs = max(1, min(supers, progs, _config.SUPER_SCRATCH_BYTES // per_program))
+        scratch = torch.empty(progs * 3 * bn * bv, dtype=hidden.dtype, device=device)
+        launches.append((_grads_super_kernel, (progs,), (
+            *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
+            db if db is not None else dummy, scratch, *scalars,
+            dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
+        ), dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
+                GROUP_N=group_n, **flags, **launch)))
+    elif not deterministic:
         grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        _grads_fused_kernel[grid](
+        launches.append((_grads_fused_kernel, grid, (
             *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
             db if db is not None else dummy, *scalars,
             dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
-            NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
-            GROUP_N=group_n, **flags, **launch,
-        )
+        ), dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
+                GROUP_N=group_n, **flags, **launch)))
     else:
         if dh is not None:
             dh_flags = flags
-            if not interpret and _blocks is None and triton.cdiv(n, bn) < _config.num_sms(device):
-                # One program per token tile: halve the tile when that leaves SMs idle.
-                dh_flags = dict(flags, BLOCK_N=max(16, bn // 2))
-            _grads_dh_kernel[(triton.cdiv(n, dh_flags["BLOCK_N"]),)](
-                *common, dh, *scalars, dh.stride(0), **dh_flags, **launch,
-            )
+            # One program per token tile: halve the tile when that leaves SMs idle, but not below
+            # the 64 rows a wgmma / tcgen05 instruction needs (it would fall back to mma.sync).
+            smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
+            if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
+                dh_flags = dict(flags, BLOCK_N=bn // 2)
+            launches.append((_grads_dh_kernel, (triton.cdiv(n, dh_flags["BLOCK_N"]),),
+                             (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
         if dw is not None or db is not None:
-            _grads_dw_kernel[(triton.cdiv(v, bv),)](
+            launches.append((_grads_dw_kernel, (triton.cdiv(v, bv),), (
                 *common, dw if dw is not None else dummy, db if db is not None else dummy,
                 *scalars, dw.stride(0) if dw is not None else 0,
-                NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch,
-            )
+            ), dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch)))
+    return dh, dw, db, launches
 
-    if not gamma_in_tile:
+
+def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
+          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
+          _blocks=None, _schedule="tiles"):
+    """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
+    float32, None where not needed (``d_bias`` is None when ``bias`` is None).
+
+    ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
+    fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
+    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
+    it relative to their row's coefficient scale (see the module docstring; None = exact).
+    ``deterministic``: no float atomics, bitwise repeatable.
+    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests
+    and benchmarks): the non-deterministic schedule, ``"tiles"`` (one program per tile pair, the
+    default) or ``"super"`` (2x2 super-tiles: half the atomics, but with Triton 3.9 it spills
+    136-816 B per thread on sm_90/sm_100, so it stays opt-in until a GPU run shows it is faster).
+    """
+    check_inputs(_INTERPRET, hidden, weight, bias, targets)
+    n = hidden.shape[0]
+    if lse.shape != (n,):
+        raise ValueError(f"lse must be [N] = [{n}], got {tuple(lse.shape)}")
+    if coef.shape != (n, NUM_COEFS):
+        raise ValueError(f"coef must be [N, {NUM_COEFS}] = [{n}, {NUM_COEFS}], got {tuple(coef.shape)}")
+    targets = targets.to(torch.int64)
+    lse = lse.to(torch.float32).contiguous()
+    coef = coef.to(torch.float32)
+    dh, dw, db, launches = plan(
+        hidden, weight, bias, targets, lse, coef, vocab_start=vocab_start, softcap=softcap,
+        temperature=temperature, need_hidden=need_hidden, need_weight=need_weight,
+        need_bias=need_bias, filter_eps=filter_eps, deterministic=deterministic, _blocks=_blocks,
+        _schedule=_schedule)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+    has_softcap = softcap is not None and softcap != 0
+    if launches and filter_eps is not None and not has_softcap:  # GAMMA was left out of the tiles
         gamma = coef[:, GAMMA]
-        if has_temp:
+        if temperature is not None and float(temperature) != 1.0:
             gamma = gamma / float(temperature)
         if bool((gamma != 0).any()):
             _add_uniform_term(hidden, weight, gamma, dh, dw, db)

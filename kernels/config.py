@@ -1,9 +1,24 @@
-"""Block sizes for the cce_dist Triton kernels, per GPU generation.
+"""Block sizes for the cce_dist Triton kernels, chosen from what the device reports.
 
-Nothing here launches a kernel. The forward kernel gets a small autotune set on CUDA (its outputs
-are plain stores, so re-running a config while tuning is harmless). The backward kernels
-accumulate into their outputs (atomics or read-modify-write), so they use one fixed config per
-generation instead of autotuning (tuning would need every output zeroed between trials).
+Nothing here launches a kernel or touches CUDA except :meth:`DeviceProps.of`. Every choice is a
+pure function of a small :class:`DeviceProps` record (compute capability, SM count, shared memory
+per block), so ``tests/test_aot_compile.py`` can ask what the library would select on a device
+it does not have and compile exactly that ahead of time.
+
+The matrix instruction family comes from the capability: 9.x -> Hopper ``wgmma``, 10.x / 11.x ->
+datacenter Blackwell ``tcgen05`` (tensor memory holds the accumulator), everything else from 8.0
+on (Ampere, Ada, and consumer Blackwell 12.x) -> ``mma.sync``. Which tiles fit is decided by the
+reported shared memory per block, never by the major version alone (sm_120 reports 101,376 B like
+sm_86/89, not Hopper's 232,448 B).
+
+The forward kernel gets a small autotune set (its outputs are plain stores, so re-running a
+config while tuning is harmless). The backward kernels accumulate into their outputs (atomics or
+read-modify-write), so they use one fixed config per (device, dtype, flags) instead.
+
+The candidate lists below were checked with the real compiler for sm_80/86/90/100/120 (see
+tests/test_aot_compile.py): none exceeds its target's shared memory, and bf16/fp16 configs do not
+spill. fp32 without TF32 has no tensor-core path; its configs are kept small (it is a
+correctness mode, not a fast one).
 
 Under ``TRITON_INTERPRET=1`` (kernels run by numpy on the CPU) there is no autotuning and the
 blocks are small fixed sizes, so that tests with tiny shapes stay fast and still exercise several
@@ -15,6 +30,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+#: FP contraction (a*b+c -> fma) in the kernels' elementwise code. Set explicitly: Triton 3.9
+#: enables it by default and warns that 3.10 disables it, which would move results by an ulp.
+#: Off matches the 3.10 default and the eager PyTorch elementwise ops of the reference program
+#: (which never contract across ops); the matmuls are unaffected (they accumulate with MMA).
+ENABLE_FP_FUSION = False
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    """What config selection needs to know about a GPU.
+
+    capability: (major, minor). sms: streaming multiprocessors. smem_per_block: the largest
+    dynamic shared memory one block may opt into, in bytes
+    (``cudaDevAttrMaxSharedMemoryPerBlockOptin``). name: for reports only.
+    """
+
+    capability: tuple[int, int]
+    sms: int
+    smem_per_block: int
+    name: str = ""
+
+    @staticmethod
+    def of(device: torch.device | str | int | None = None) -> DeviceProps:
+        """The record of a CUDA device (the current one by default)."""
+        p = torch.cuda.get_device_properties(device)
+        smem = getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0)
+        return DeviceProps((p.major, p.minor), p.multi_processor_count, int(smem), p.name)
+
+    @property
+    def mma(self) -> str:
+        """Tensor-core instruction family: 'wgmma', 'tcgen05', 'mma' (mma.sync) or 'none'."""
+        major = self.capability[0]
+        if major == 9:
+            return "wgmma"
+        if major in (10, 11):
+            return "tcgen05"
+        if major >= 8:
+            return "mma"
+        return "none"
+
+
+#: Devices the AOT test compiles for (one per shared-memory / instruction class).
+KNOWN_DEVICES: dict[str, DeviceProps] = {
+    "sm_80": DeviceProps((8, 0), 108, 166_912, "A100"),
+    "sm_86": DeviceProps((8, 6), 84, 101_376, "RTX A6000 / RTX 3090 class"),
+    "sm_90": DeviceProps((9, 0), 132, 232_448, "H100 / H200 SXM"),
+    "sm_100": DeviceProps((10, 0), 148, 232_448, "B200"),
+    "sm_120": DeviceProps((12, 0), 170, 101_376, "RTX 5090 class"),
+}
 
 
 @dataclass(frozen=True)
@@ -42,55 +107,140 @@ class BwdConfig:
 INTERPRET_FWD = FwdConfig(block_n=16, block_v=32, block_d=16)
 INTERPRET_BWD = BwdConfig(block_n=16, block_v=32, block_d=16, block_d_out=16, group_n=2)
 
-# Largest BLOCK_V any forward config uses: vocab splits are multiples of it so that only the last
-# tile of the whole shard is ragged.
-MAX_FWD_BLOCK_V = 256
+
+def _elt(dtype: torch.dtype) -> int:
+    return 4 if dtype == torch.float32 else 2
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    try:
-        return torch.cuda.get_device_capability(device)
-    except Exception:  # pragma: no cover - no CUDA
-        return (0, 0)
+def fwd_smem_estimate(c: FwdConfig, dtype: torch.dtype) -> int:
+    """Upper estimate of the forward's shared memory: num_stages buffers of an H and a W chunk
+    (what Triton's pipeliner allocates) plus 1 KB for barriers."""
+    return c.num_stages * (c.block_n + c.block_v) * c.block_d * _elt(dtype) + 1024
 
 
-def forward_autotune_configs(device: torch.device, dtype: torch.dtype) -> list[FwdConfig]:
-    """A small candidate set for the forward kernel on ``device`` (keyed on D and dtype)."""
-    major, _ = _capability(device)
-    wide = dtype != torch.float32  # fp32 tiles take twice the shared memory per element
-    bd = 64 if wide else 32
-    if major >= 9:  # Hopper and newer
-        return [
+def bwd_smem_estimate(c: BwdConfig, dtype: torch.dtype) -> int:
+    """Upper estimate of the backward's shared memory: the pipelined recompute buffers plus the
+    gradient matmuls' operands (the dz tile and two W / H column chunks)."""
+    e = _elt(dtype)
+    recompute = c.num_stages * (c.block_n + c.block_v) * c.block_d * e
+    return recompute + c.block_n * c.block_v * e + 2 * max(c.block_n, c.block_v) * c.block_d_out * e + 1024
+
+
+def _fits(smem: int, props: DeviceProps) -> bool:
+    return smem <= props.smem_per_block
+
+
+#: Scratch the 2x2 super-tile backward may use for its parked dz tiles (3 tiles per resident
+#: program); the program count is capped so that it stays within this.
+SUPER_SCRATCH_BYTES = 16 << 20
+
+#: The smallest configs, used where nothing else fits and for fp32 without tensor cores (an FMA
+#: dot: small tiles keep the fp32 operands in registers without spilling).
+SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
+SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
+
+
+def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True,
+                       softcap: bool = False, aligned: bool = True) -> list[FwdConfig]:
+    """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
+
+    ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
+    ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05).
+    ``aligned``: rows of H and W start on 16-byte boundaries; unaligned rows get no vectorized /
+    async loads and more address registers, so 256-wide vocab tiles are dropped."""
+    if props.mma == "none" or (dtype == torch.float32 and not tf32):
+        return [SMALL_FWD]
+    bd = 64 if dtype != torch.float32 else 32
+    if props.mma == "tcgen05":
+        # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
+        # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
+        if dtype == torch.float32:
+            cands = [FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
+                     FwdConfig(128, 128, 16, num_warps=8, num_stages=3),
+                     FwdConfig(64, 128, 32, num_warps=8, num_stages=3)]
+        else:
+            cands = [FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
+                     FwdConfig(64, 128, bd, num_warps=8, num_stages=3)]
+        if softcap:
+            cands = [c for c in cands if c.block_v < 256]
+    elif props.mma == "wgmma":
+        cands = [
             FwdConfig(128, 128, bd, num_warps=8, num_stages=3),
-            FwdConfig(128, 256, bd, num_warps=8, num_stages=3),
-            FwdConfig(64, 256, bd, num_warps=8, num_stages=4),
+            FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 128, bd, num_warps=4, num_stages=4),
         ]
-    if major >= 8:  # Ampere / Ada
-        return [
-            FwdConfig(128, 128, 32, num_warps=8, num_stages=3),
-            FwdConfig(64, 256, 32, num_warps=8, num_stages=3),
-            FwdConfig(64, 128, 32, num_warps=4, num_stages=4),
+    else:
+        # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
+        # the online-softmax epilogue spills; 64x128 over 8 warps does not.
+        cands = [
+            FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
+            FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
-    return [  # Volta / Turing and unknown
-        FwdConfig(64, 64, 32, num_warps=4, num_stages=2),
-        FwdConfig(64, 128, 32, num_warps=4, num_stages=2),
-    ]
+    out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
+    return out or [SMALL_FWD]
 
 
-def backward_config(device: torch.device, dtype: torch.dtype) -> BwdConfig:
-    """One fixed backward config per generation (see the module docstring for why not tuned)."""
-    major, _ = _capability(device)
-    wide = dtype != torch.float32
-    if major >= 9:
-        return BwdConfig(128, 128, 64 if wide else 32, 64, group_n=8, num_warps=8, num_stages=3)
-    if major >= 8:
-        return BwdConfig(128, 128, 32, 64 if wide else 32, group_n=8, num_warps=8, num_stages=2)
-    return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
+def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True, softcap: bool = False,
+                    filtering: bool = False, deterministic: bool = False) -> BwdConfig:
+    """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
+    why it is not tuned): the first candidate whose shared memory fits.
+
+    The softcap and filtering epilogues keep more fp32 tiles live (tanh factor, filter test):
+    with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
+    matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there)."""
+    if props.mma == "none" or (dtype == torch.float32 and not tf32):
+        return SMALL_BWD
+    heavy = softcap or filtering
+    if props.mma == "tcgen05" and deterministic:
+        # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
+        cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
+                 BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
+        if dtype == torch.float32:
+            cands = [BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
+        return next((c for c in cands if _fits(bwd_smem_estimate(c, dtype), props)), SMALL_BWD)
+    if dtype == torch.float32:  # TF32 (64x64 over 4 warps spills the deterministic epilogue on sm_86/120)
+        cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
+                 BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
+    elif props.mma in ("wgmma", "tcgen05"):
+        cands = [BwdConfig(64, 128, 64, 64, group_n=8, num_warps=8, num_stages=3)]
+        if not heavy:  # tcgen05 reads 64-wide chunks of the dH / dW products back with a spill
+            cands.insert(0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8,
+                                      num_stages=3))
+    else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
+        cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
+    for c in cands:
+        if _fits(bwd_smem_estimate(c, dtype), props):
+            return c
+    return SMALL_BWD
 
 
-def num_sms(device: torch.device) -> int:
-    try:
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    except Exception:  # pragma: no cover - no CUDA
-        return 1
+def all_backward_configs(props: DeviceProps) -> set[BwdConfig]:
+    """Every backward config :func:`backward_config` can return on ``props`` (for the AOT test)."""
+    out = set()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for tf32 in (True, False):
+            for sc in (False, True):
+                for flt in (False, True):
+                    for det in (False, True):
+                        out.add(backward_config(props, dtype, tf32=tf32, softcap=sc, filtering=flt, deterministic=det))
+    return out
+
+
+def pick_splits(n: int, v: int, block_n: int, block_v: int, props: DeviceProps, blocks_per_sm: int = 1) -> int:
+    """Vocab splits of the forward for the tile actually launched (``block_n`` x ``block_v``).
+
+    Small N leaves SMs idle with one program per token tile; splitting the vocab adds programs
+    (merged afterwards, ``splits * N * 5`` floats). Choose the split count, at most one more wave
+    than needed and with >= 4 vocab tiles per split, whose last wave is fullest (waves of
+    ``sms * blocks_per_sm`` programs); ties go to fewer splits."""
+    tiles = -(-n // block_n)
+    slots = max(1, props.sms * blocks_per_sm)
+    most = max(1, -(-v // (4 * block_v)))
+    best, best_eff = 1, 0.0
+    for s in range(1, min(most, max(1, -(-2 * slots // tiles))) + 1):
+        p = tiles * s
+        waves = -(-p // slots)
+        eff = p / (waves * slots)
+        if eff > best_eff + 0.02:
+            best, best_eff = s, eff
+    return best

@@ -27,7 +27,7 @@ _SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scal
 @triton.jit
 def _row_stats_kernel(
     H, W, Bias, Targets, Out,
-    N, V, D, vocab_start, softcap, temperature, v_per_split,
+    N, V, D, vocab_start, softcap, temperature,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t,
     stride_os, stride_on,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
@@ -45,8 +45,10 @@ def _row_stats_kernel(
     Out (pointer): fp32 [splits, N, 5] output; columns MAX, SUMEXP, TARGET, SUM, ENTROPY.
     N, V, D (int): sizes. vocab_start (int): global id of local row 0.
     softcap, temperature (float): used when HAS_SOFTCAP / HAS_TEMP.
-    v_per_split (int): vocab rows per split; program (pid_n, pid_s) covers
-        [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)).
+    The vocab is cut into ``tl.num_programs(1)`` splits of ``v_per_split`` rows, a multiple of
+    BLOCK_V (so only the shard's last tile is ragged); program (pid_n, pid_s) covers
+    [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)), possibly empty (then it writes the
+    statistics of an empty slice, the identity of their merge).
     BLOCK_N, BLOCK_V, BLOCK_D (constexpr): token tile, vocab tile, reduction chunk.
     """
     pid_n = tl.program_id(0)
@@ -55,6 +57,7 @@ def _row_stats_kernel(
     row_ok = offs_n < N
     tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
 
+    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
     v_lo = pid_s.to(tl.int64) * v_per_split
     v_hi = tl.minimum(v_lo + v_per_split, V)
 
@@ -104,26 +107,88 @@ _INTERPRET = interpreting(_row_stats_kernel)
 _TUNED: dict = {}
 
 
-def _tuned_kernel(device: torch.device, dtype: torch.dtype):
-    """The forward kernel wrapped in a small autotuner for this GPU generation and dtype."""
-    key = (torch.cuda.get_device_capability(device), dtype)
+def _triton_config(c: _config.FwdConfig):
+    return triton.Config({"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
+                         num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows of ``hidden`` and ``weight`` start on 16-byte boundaries (what the compiler's
+    divisibility specialization needs for vectorized loads)."""
+    e = hidden.element_size()
+    return all((t.data_ptr() % 16 == 0) and (t.stride(0) * e) % 16 == 0 and t.stride(1) == 1 for t in (hidden, weight))
+
+
+def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool, aligned: bool):
+    """The forward kernel wrapped in a small autotuner for this device, dtype, epilogue and alignment."""
+    key = (props, dtype, tf32, softcap, aligned)
     if key not in _TUNED:
-        configs = [
-            triton.Config({"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
-                          num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in _config.forward_autotune_configs(device, dtype)
-        ]
+        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap, aligned)]
         _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
     return _TUNED[key]
 
 
-def _pick_splits(n: int, v: int, device: torch.device) -> int:
-    """Vocab splits so that a small-N launch still fills the GPU (>= ~2 programs per SM)."""
-    token_tiles = triton.cdiv(n, 64)
-    want = triton.cdiv(2 * _config.num_sms(device), token_tiles)
-    # Keep >= 4 max-size vocab tiles per split so the per-split overhead stays small.
-    most = max(1, triton.cdiv(v, 4 * _config.MAX_FWD_BLOCK_V))
-    return max(1, min(want, most))
+def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, props=None,
+         allow_tf32=None, _splits=None, _blocks=None):
+    """Everything a launch of the forward kernel needs, without launching it.
+
+    Returns ``(args, flags, configs, splits_of, out)``: the kernel's positional arguments, its
+    constexpr keyword arguments (flags, plus the FP-fusion option), the candidate
+    :class:`~.config.FwdConfig` list (the autotune set; one entry when fixed), ``splits_of(cfg)``
+    giving the vocab splits (grid axis 1) for the config actually launched, and the output
+    ``float32 [max splits, N, 5]``. Works on ``meta`` tensors (no allocation, no launch), which
+    is how tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
+    ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
+    ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
+    """
+    n, d = hidden.shape
+    v = weight.shape[0]
+    interpret = _INTERPRET
+    has_softcap = softcap is not None and softcap != 0
+    has_temp = temperature is not None and float(temperature) != 1.0
+    precision = dot_precision(hidden.dtype, interpret, allow_tf32)
+    if _blocks is not None:
+        bn, bv, bd = _blocks
+        configs = [_config.FwdConfig(bn, bv, bd)]
+    elif interpret:
+        configs = [_config.INTERPRET_FWD]
+    else:
+        if props is None:
+            props = _config.DeviceProps.of(hidden.device)
+        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32", has_softcap,
+                                             _rows_aligned(hidden, weight))
+
+    def splits_of(c: _config.FwdConfig) -> int:
+        if _splits is not None:
+            s = max(1, int(_splits))
+        elif interpret or props is None:
+            s = 1
+        else:
+            s = _config.pick_splits(n, v, c.block_n, c.block_v, props)
+        # Splits that would be empty after rounding to whole tiles are not launched.
+        per = triton.cdiv(triton.cdiv(v, s), c.block_v) * c.block_v
+        return min(s, triton.cdiv(v, per))
+
+    out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32,
+                      device=hidden.device)
+    args = (
+        hidden, weight, bias if bias is not None else hidden, targets, out,
+        n, v, d, int(vocab_start),
+        float(softcap) if has_softcap else 1.0,
+        float(temperature) if has_temp else 1.0,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, targets.stride(0),
+        out.stride(0), out.stride(1),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
+        USE_LIBDEVICE=use_libdevice(interpret),
+        DOT_PRECISION=precision,
+        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
+    )
+    if not interpret:
+        flags["enable_fp_fusion"] = _config.ENABLE_FP_FUSION
+    return args, flags, configs, splits_of, out
 
 
 def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature,
@@ -144,50 +209,28 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
     if v == 0:
         return empty_stats(n, device)
 
-    has_softcap = softcap is not None and softcap != 0
-    has_temp = temperature is not None and float(temperature) != 1.0
     targets = targets.to(torch.int64)
-    interpret = _INTERPRET
-    if _blocks is not None:
-        bn, bv, bd = _blocks
-    elif interpret:
-        c = _config.INTERPRET_FWD
-        bn, bv, bd = c.block_n, c.block_v, c.block_d
-    else:
-        bn = bv = bd = None  # autotuned
+    args, flags, configs, splits_of, out = plan(
+        hidden, weight, bias, targets, vocab_start=vocab_start, softcap=softcap,
+        temperature=temperature, _splits=_splits, _blocks=_blocks)
+    if len(configs) > 1 or (not _INTERPRET and _blocks is None):
+        props = _config.DeviceProps.of(device)
+        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"],
+                               _rows_aligned(hidden, weight))
 
-    if _splits is not None:
-        splits = max(1, int(_splits))
-    elif interpret:
-        splits = 1
-    else:
-        splits = _pick_splits(n, v, device)
-    unit = bv if bv is not None else _config.MAX_FWD_BLOCK_V
-    v_per_split = triton.cdiv(triton.cdiv(v, splits), unit) * unit
-    splits = triton.cdiv(v, v_per_split)
+        def cfg_of(meta) -> _config.FwdConfig:
+            return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
 
-    out = torch.empty(splits, n, NUM_STATS, dtype=torch.float32, device=device)
-    args = (
-        hidden, weight, bias if bias is not None else hidden, targets, out,
-        n, v, d, int(vocab_start),
-        float(softcap) if has_softcap else 1.0,
-        float(temperature) if has_temp else 1.0,
-        v_per_split,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0, targets.stride(0),
-        out.stride(0), out.stride(1),
-    )
-    flags = dict(
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
-        USE_LIBDEVICE=use_libdevice(interpret),
-        DOT_PRECISION=dot_precision(hidden.dtype, interpret),
-        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
-    )
-    if bn is None:
-        kernel = _tuned_kernel(device, hidden.dtype)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits_of(cfg_of(meta)))  # noqa: E731
         kernel[grid](*args, **flags)
+        # Tuning runs of other configs may have written more slabs; the final run of the chosen
+        # config wrote exactly the first splits_of(chosen) of them.
+        best = kernel.best_config.kwargs
+        splits = splits_of(_config.FwdConfig(best["BLOCK_N"], best["BLOCK_V"], best["BLOCK_D"]))
     else:
-        grid = (triton.cdiv(n, bn), splits)
-        _row_stats_kernel[grid](*args, **flags, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd)
-    return combine_stack(out)
+        c = configs[0]
+        splits = splits_of(c)
+        launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
+            *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch)
+    return combine_stack(out[:splits])

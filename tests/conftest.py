@@ -25,3 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         elif "slow" in item.keywords and not slow_ok:
             item.add_marker(no_slow)
+
+
+@pytest.fixture(scope="session")
+def rank_pool(tmp_path_factory):
+    """``rank_pool(world)``: persistent gloo ranks that run one case per call (see dist_utils.RankPool).
+
+    One pool lives at a time per test process; tests that use it should be ordered by world size
+    (parametrize with the world outermost) so that it is spawned rarely.
+    """
+    from dist_utils import RankPools
+
+    pools = RankPools(tmp_path_factory.mktemp("rank_pool"))
+    yield pools
+    pools.close()

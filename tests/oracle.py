@@ -34,8 +34,6 @@ Outputs are float32 and have targets' shape (or are scalars for ``mean``/``sum``
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +42,7 @@ Tensor = torch.Tensor
 __all__ = ["oracle_logits", "shift_targets", "oracle_cross_entropy", "oracle_logprobs"]
 
 
-def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
     if t is None or dtype is None:
         return t
     return t.to(dtype)
@@ -53,11 +51,11 @@ def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]
 def oracle_logits(
     hidden: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor] = None,
+    bias: Tensor | None = None,
     *,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     temperature: float = 1.0,
-    dtype: Optional[torch.dtype] = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
 ) -> Tensor:
     """Materialized float32 logits ``[..., V]``: ``softcap(linear(h, W, b) rounded to dtype) / T``."""
     z = F.linear(_cast(hidden, dtype), _cast(weight, dtype), _cast(bias, dtype)).float()
@@ -68,7 +66,7 @@ def oracle_logits(
     return z
 
 
-def shift_targets(targets: Tensor, shift: Union[bool, int], ignore_index: int) -> Tensor:
+def shift_targets(targets: Tensor, shift: bool | int, ignore_index: int) -> Tensor:
     """Position ``i`` predicts ``targets[..., i + shift]``; the last ``shift`` positions are ignored."""
     shift = int(shift)
     if shift == 0:
@@ -94,15 +92,15 @@ def oracle_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor] = None,
+    bias: Tensor | None = None,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    shift: Union[bool, int] = False,
-    dtype: Optional[torch.dtype] = torch.float32,
+    softcap: float | None = None,
+    shift: bool | int = False,
+    dtype: torch.dtype | None = torch.float32,
     return_lse: bool = False,
 ):
     """Reference of ``cce_dist.linear_cross_entropy`` (same keywords; see the module docstring).
@@ -131,13 +129,13 @@ def oracle_logprobs(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor] = None,
+    bias: Tensor | None = None,
     *,
     ignore_index: int = -100,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     temperature: float = 1.0,
-    shift: Union[bool, int] = False,
-    dtype: Optional[torch.dtype] = torch.float32,
+    shift: bool | int = False,
+    dtype: torch.dtype | None = torch.float32,
     return_entropy: bool = False,
 ):
     """Reference of ``cce_dist.linear_logprobs``: ``log_softmax(z)[t]`` and ``-sum p log p``.

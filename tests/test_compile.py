@@ -20,12 +20,23 @@ class TinyLM(nn.Module):
 
     def forward(self, ids, targets):
         h = torch.tanh(self.emb(ids))
-        ce = cce_dist.linear_cross_entropy(h, self.head.weight, targets, bias=self.head.bias, shift=1,
-                                           label_smoothing=0.1, z_loss=1e-3, softcap=3.0, impl="torch")
-        rows, lse = cce_dist.linear_cross_entropy(h, self.head.weight, targets, reduction="none",
-                                                  return_lse=True, impl="torch")
-        lp, ent = cce_dist.linear_logprobs(h, self.head.weight, targets, temperature=0.7, return_entropy=True,
-                                           impl="torch")
+        ce = cce_dist.linear_cross_entropy(
+            h,
+            self.head.weight,
+            targets,
+            bias=self.head.bias,
+            shift=1,
+            label_smoothing=0.1,
+            z_loss=1e-3,
+            softcap=3.0,
+            impl="torch",
+        )
+        rows, lse = cce_dist.linear_cross_entropy(
+            h, self.head.weight, targets, reduction="none", return_lse=True, impl="torch"
+        )
+        lp, ent = cce_dist.linear_logprobs(
+            h, self.head.weight, targets, temperature=0.7, return_entropy=True, impl="torch"
+        )
         return ce + 0.5 * rows.mean() + 0.01 * lse.square().mean() - 0.3 * lp.sum() - 0.1 * ent.mean()
 
 
@@ -55,7 +66,9 @@ def _check_backend(backend):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert set(got_g) == set(ref_g) == {"emb.weight", "head.weight", "head.bias"}
     for name in ref_g:
-        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got_g[name], ref_g[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -144,24 +157,70 @@ def test_opcheck(with_bias):
     b = b if with_bias else None
     chunk = 16  # several vocab chunks
     ops = torch.ops.cce_dist
-    torch.library.opcheck(ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk,
-                                                None, False))
-    torch.library.opcheck(ops.logprob_rows.default, (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk,
-                                                     None, False))
+    torch.library.opcheck(
+        ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
+    )
+    torch.library.opcheck(
+        ops.logprob_rows.default, (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, None, False)
+    )
     hd, wd = h.detach(), w.detach()
     bd = None if b is None else b.detach()
     _, lse = ops.ce_rows(hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
     g = torch.rand(5)
-    torch.library.opcheck(ops.ce_rows_backward.default, (hd, wd, bd, t, lse, g, g, torch.float32, -100, 0.1, 1e-3,
-                                                         2.0, "torch", chunk, None, False, True, True, with_bias))
+    torch.library.opcheck(
+        ops.ce_rows_backward.default,
+        (
+            hd,
+            wd,
+            bd,
+            t,
+            lse,
+            g,
+            g,
+            torch.float32,
+            -100,
+            0.1,
+            1e-3,
+            2.0,
+            "torch",
+            chunk,
+            None,
+            False,
+            True,
+            True,
+            with_bias,
+        ),
+    )
     _, _, stats = ops.logprob_rows(hd, wd, bd, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, None, False)
-    torch.library.opcheck(ops.logprob_rows_backward.default, (hd, wd, bd, t, stats, g, g, torch.float32, -100, 2.0,
-                                                              0.5, True, "torch", chunk, None, False, True, False,
-                                                              with_bias))
+    torch.library.opcheck(
+        ops.logprob_rows_backward.default,
+        (
+            hd,
+            wd,
+            bd,
+            t,
+            stats,
+            g,
+            g,
+            torch.float32,
+            -100,
+            2.0,
+            0.5,
+            True,
+            "torch",
+            chunk,
+            None,
+            False,
+            True,
+            False,
+            with_bias,
+        ),
+    )
 
 
 def test_op_rejects_out_of_range_targets():
     h, w, b, t = _op_args()
     with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
-        torch.ops.cce_dist.ce_rows(h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None,
-                                   "torch", 16, None, False)
+        torch.ops.cce_dist.ce_rows(
+            h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None, "torch", 16, None, False
+        )

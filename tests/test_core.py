@@ -18,12 +18,13 @@ import weakref
 
 import pytest
 import torch
+from helpers import leaf
+from oracle import oracle_cross_entropy, oracle_logits, oracle_logprobs, shift_targets
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import cce_dist
 from cce_dist import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
-from oracle import oracle_cross_entropy, oracle_logits, oracle_logprobs, shift_targets
 
 N, V, D = 37, 53, 19
 CHUNK = 5 * V + 7  # 5 tokens of V logits per chunk: 8 chunks for N = 37, the last holds 2 tokens
@@ -69,8 +70,21 @@ def _id(opts: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def make_inputs(n=N, v=V, d=D, *, shape=None, dtype=torch.float32, bias=True, seed=0, scale=2.0,
-                ignore_frac=0.2, ignore_index=IGN, wdtype=None, bdtype=None):
+def make_inputs(
+    n=N,
+    v=V,
+    d=D,
+    *,
+    shape=None,
+    dtype=torch.float32,
+    bias=True,
+    seed=0,
+    scale=2.0,
+    ignore_frac=0.2,
+    ignore_index=IGN,
+    wdtype=None,
+    bdtype=None,
+):
     """(hidden, weight, bias, targets) with logits of std ~ ``scale``; ~ignore_frac targets ignored."""
     g = torch.Generator().manual_seed(seed)
     shape = tuple(shape) if shape is not None else (n,)
@@ -83,10 +97,6 @@ def make_inputs(n=N, v=V, d=D, *, shape=None, dtype=torch.float32, bias=True, se
     wdtype = wdtype or dtype
     bdtype = bdtype or wdtype
     return h.to(dtype), w.to(wdtype), None if b is None else b.to(bdtype), t
-
-
-def leaf(x):
-    return None if x is None else x.detach().clone().requires_grad_(True)
 
 
 def leaves(h, w, b):
@@ -113,8 +123,9 @@ def assert_close32(got, want, *, rtol=2e-4, atol=2e-5, what=""):
     assert got is not None and want is not None, what
     assert got.shape == want.shape, (what, got.shape, want.shape)
     scale = max(1.0, float(want.detach().float().abs().max())) if want.numel() else 1.0
-    torch.testing.assert_close(got.detach().float(), want.detach().float(), rtol=rtol, atol=atol * scale,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.detach().float(), want.detach().float(), rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def max_err(x, ref):
@@ -137,7 +148,9 @@ def assert_no_worse_than_materialized(got, mat, ref, dtype, what):
     """
     e_mat, e_got = max_err(mat, ref), max_err(got, ref)
     slack = torch.finfo(dtype).eps * max(float(ref.detach().float().abs().max()), 1e-3)
-    assert e_got <= 2.0 * e_mat + slack, f"{what}: cce_dist error {e_got:.3e} > 2 * materialized {e_mat:.3e} + {slack:.3e}"
+    assert e_got <= 2.0 * e_mat + slack, (
+        f"{what}: cce_dist error {e_got:.3e} > 2 * materialized {e_mat:.3e} + {slack:.3e}"
+    )
 
 
 def snapshot(*ts):
@@ -166,8 +179,9 @@ def test_cross_entropy_fp32_matches_oracle(opts, reduction, gif, bias):
     h1, w1, b1 = leaves(h, w, b)
     h2, w2, b2 = leaves(h, w, b)
     before = snapshot(h, w, b, t)
-    loss = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, chunk_size=CHUNK,
-                                grad_in_forward=gif, impl="torch", **opts)
+    loss = linear_cross_entropy(
+        h1, w1, t, bias=b1, reduction=reduction, chunk_size=CHUNK, grad_in_forward=gif, impl="torch", **opts
+    )
     ref = oracle_cross_entropy(h2, w2, t, b2, reduction=reduction, **opts)
     assert loss.dtype == torch.float32
     assert loss.shape == ref.shape == ((N,) if reduction == "none" else ())
@@ -187,8 +201,9 @@ def test_return_lse_with_gradient_through_lse(opts, reduction, gif):
     h, w, b, t = make_inputs(seed=3)
     h1, w1, b1 = leaves(h, w, b)
     h2, w2, b2 = leaves(h, w, b)
-    loss, lse = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, return_lse=True,
-                                     chunk_size=CHUNK, grad_in_forward=gif, **opts)
+    loss, lse = linear_cross_entropy(
+        h1, w1, t, bias=b1, reduction=reduction, return_lse=True, chunk_size=CHUNK, grad_in_forward=gif, **opts
+    )
     rloss, rlse = oracle_cross_entropy(h2, w2, t, b2, reduction=reduction, return_lse=True, **opts)
     assert lse.dtype == torch.float32 and lse.shape == t.shape
     assert_close32(loss, rloss, what="loss")
@@ -322,8 +337,9 @@ def test_int32_targets_and_noncontiguous_inputs(gif):
     w_nc = w_nc_leaf.t()
     assert not h_nc.is_contiguous() and not w_nc.is_contiguous()
     h_leaf = h_nc._base if h_nc._base is not None else h_nc
-    loss = linear_cross_entropy(h_nc, w_nc, t.to(torch.int32), bias=b, chunk_size=CHUNK, grad_in_forward=gif,
-                                label_smoothing=0.1)
+    loss = linear_cross_entropy(
+        h_nc, w_nc, t.to(torch.int32), bias=b, chunk_size=CHUNK, grad_in_forward=gif, label_smoothing=0.1
+    )
     h2, w2 = leaf(h), leaf(w)
     ref = oracle_cross_entropy(h2, w2, t, b, label_smoothing=0.1)
     assert_close32(loss, ref)
@@ -347,19 +363,20 @@ def test_shift(shift, shape, reduction, gif):
     h1, w1, b1 = leaves(h, w, b)
     h2, w2, b2 = leaves(h, w, b)
     before = snapshot(t)
-    loss = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, shift=shift, chunk_size=2 * V,
-                                grad_in_forward=gif, label_smoothing=0.1)
+    loss = linear_cross_entropy(
+        h1, w1, t, bias=b1, reduction=reduction, shift=shift, chunk_size=2 * V, grad_in_forward=gif, label_smoothing=0.1
+    )
     ref = oracle_cross_entropy(h2, w2, t, b2, reduction=reduction, shift=shift, label_smoothing=0.1)
     assert loss.shape == ref.shape
     assert_close32(loss, ref)
     if reduction == "none":  # the last `shift` positions are ignored
-        assert bool((loss[..., -int(shift):] == 0).all())
+        assert bool((loss[..., -int(shift) :] == 0).all())
     g = upstream(ref)
     for x, y in zip(grads(loss, (h1, w1, b1), g), grads(ref, (h2, w2, b2), g)):
         assert_close32(x, y)
     # the oracle's shift agrees with an explicit shift of the targets, and cce_dist does too
     st = shift_targets(t, shift, IGN)
-    assert torch.equal(st[..., : max(shape[-1] - int(shift), 0)], t[..., int(shift):])
+    assert torch.equal(st[..., : max(shape[-1] - int(shift), 0)], t[..., int(shift) :])
     explicit = linear_cross_entropy(h, w, st, bias=b, reduction=reduction, chunk_size=2 * V, label_smoothing=0.1)
     assert_close32(loss, explicit)
     lp = linear_logprobs(h1, w1, t, bias=b1, shift=shift, chunk_size=2 * V, temperature=0.9)
@@ -390,8 +407,9 @@ def test_edge_shapes_and_targets(case, reduction, gif):
     opts = {"label_smoothing": 0.1, "z_loss": 1e-3}
     h1, w1, b1 = leaves(h, w, b)
     h2, w2, b2 = leaves(h, w, b)
-    loss = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, chunk_size=3 * v + 1,
-                                grad_in_forward=gif, **opts)
+    loss = linear_cross_entropy(
+        h1, w1, t, bias=b1, reduction=reduction, chunk_size=3 * v + 1, grad_in_forward=gif, **opts
+    )
     ref = oracle_cross_entropy(h2, w2, t, b2, reduction=reduction, **opts)
     assert_close32(loss, ref)
     g = upstream(ref)
@@ -409,8 +427,9 @@ def test_edge_shapes_and_targets(case, reduction, gif):
 def test_empty_batch(shape, reduction, gif):
     h, w, b, t = make_inputs(shape=shape, seed=14)
     h1, w1, b1 = leaves(h, w, b)
-    loss = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, chunk_size=CHUNK, grad_in_forward=gif,
-                                label_smoothing=0.1, z_loss=1e-3)
+    loss = linear_cross_entropy(
+        h1, w1, t, bias=b1, reduction=reduction, chunk_size=CHUNK, grad_in_forward=gif, label_smoothing=0.1, z_loss=1e-3
+    )
     ref = oracle_cross_entropy(h, w, t, b, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
     assert loss.dtype == torch.float32
     if reduction == "none":
@@ -433,12 +452,24 @@ def test_all_targets_ignored(reduction, gif, ignore_index):
     h, w, b, t = make_inputs(seed=15)
     t[:] = ignore_index
     h1, w1, b1 = leaves(h, w, b)
-    loss = linear_cross_entropy(h1, w1, t, bias=b1, reduction=reduction, chunk_size=CHUNK, grad_in_forward=gif,
-                                ignore_index=ignore_index, label_smoothing=0.2, z_loss=1e-2, softcap=3.0)
+    loss = linear_cross_entropy(
+        h1,
+        w1,
+        t,
+        bias=b1,
+        reduction=reduction,
+        chunk_size=CHUNK,
+        grad_in_forward=gif,
+        ignore_index=ignore_index,
+        label_smoothing=0.2,
+        z_loss=1e-2,
+        softcap=3.0,
+    )
     assert torch.isfinite(loss).all()
     assert not loss.any(), "all-ignored loss must be exactly 0 (mean: 0, not NaN)"
-    ref = oracle_cross_entropy(h, w, t, b, reduction=reduction, ignore_index=ignore_index, label_smoothing=0.2,
-                               z_loss=1e-2, softcap=3.0)
+    ref = oracle_cross_entropy(
+        h, w, t, b, reduction=reduction, ignore_index=ignore_index, label_smoothing=0.2, z_loss=1e-2, softcap=3.0
+    )
     assert torch.equal(loss.detach(), ref)
     for g in grads(loss, (h1, w1, b1), upstream(loss)):
         assert torch.isfinite(g).all() and not g.any()
@@ -455,8 +486,9 @@ def test_ignored_rows_have_no_gradient():
     assert ignored.any() and (~ignored).any()
     for gif in GIF:
         h1 = leaf(h)
-        loss = linear_cross_entropy(h1, w, t, bias=b, chunk_size=CHUNK, grad_in_forward=gif, reduction="sum",
-                                    label_smoothing=0.3)
+        loss = linear_cross_entropy(
+            h1, w, t, bias=b, chunk_size=CHUNK, grad_in_forward=gif, reduction="sum", label_smoothing=0.3
+        )
         (gh,) = torch.autograd.grad(loss, h1)
         assert not gh[ignored].any() and gh[~ignored].abs().sum(1).gt(0).all()
     h1 = leaf(h)
@@ -533,8 +565,9 @@ def test_low_precision_no_worse_than_materialized(dtype, form, opts):
     oracle = oracle_cross_entropy if form == "ce" else oracle_logprobs
     cce = _cce_ce if form == "ce" else _cce_lp
     oracle_kw = {k: v for k, v in opts.items() if k != "grad_in_forward"}
-    ref = _run_all(lambda *a, **k: oracle(*a, dtype=torch.float32, **k), h.float(), w.float(), b.float(), t, g_fn,
-                   **oracle_kw)
+    ref = _run_all(
+        lambda *a, **k: oracle(*a, dtype=torch.float32, **k), h.float(), w.float(), b.float(), t, g_fn, **oracle_kw
+    )
     mat = _run_all(lambda *a, **k: oracle(*a, dtype=dtype, **k), h, w, b, t, g_fn, **oracle_kw)
     got = _run_all(cce, h, w, b, t, g_fn, **opts)
     for i, (x, m, r) in enumerate(zip(got, mat, ref)):
@@ -630,7 +663,8 @@ def test_cpu_upcast_gemm_rounds_logits_to_compute_dtype(dtype, bias, monkeypatch
     """On a CPU without native bf16/fp16 GEMMs the torch path runs float32 GEMMs on upcast operands
     and must round the logits to the compute dtype, as a native GEMM would: the row maxima and
     target logits are then values of that dtype, and both paths give the same statistics."""
-    from cce_dist import stats as S, torch_impl
+    from cce_dist import stats as S
+    from cce_dist import torch_impl
 
     h, w, b, t = make_inputs(n=48, dtype=dtype, seed=41, bias=bias, ignore_frac=0.0)
     got = {}
@@ -659,14 +693,14 @@ def test_loss_nonnegative_logprob_nonpositive_large_logits(dtype, opts):
     t = logits.argmax(-1)
     h = h.clone()
     h[:4] = 0
-    assert bool((logits.abs().max() > 100))
+    assert bool(logits.abs().max() > 100)
     for gif in GIF:
-        loss = linear_cross_entropy(h, w, t, bias=b, reduction="none", chunk_size=3 * 97 + 5, grad_in_forward=gif,
-                                    **opts)
+        loss = linear_cross_entropy(
+            h, w, t, bias=b, reduction="none", chunk_size=3 * 97 + 5, grad_in_forward=gif, **opts
+        )
         assert torch.isfinite(loss).all()
         assert bool((loss >= 0).all()), f"negative loss {float(loss.min())}"
-    lp, ent = linear_logprobs(h, w, t, bias=b, chunk_size=3 * 97 + 5, return_entropy=True,
-                              softcap=opts.get("softcap"))
+    lp, ent = linear_logprobs(h, w, t, bias=b, chunk_size=3 * 97 + 5, return_entropy=True, softcap=opts.get("softcap"))
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert bool((lp <= 0).all()), f"positive logprob {float(lp.max())}"
     assert bool((ent >= 0).all()) and bool((ent <= math.log(97) + 1e-4).all())
@@ -677,13 +711,17 @@ def test_loss_nonnegative_logprob_nonpositive_large_logits(dtype, opts):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("opts", [
-    {},
-    {"reduction": "none", "label_smoothing": 0.1},
-    {"reduction": "sum", "z_loss": 1e-3, "softcap": 5.0, "shift": True},
-    {"return_lse": True, "ignore_index": 3},
-    {"grad_in_forward": False, "chunk_size": 2 * V},
-], ids=_id)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"reduction": "none", "label_smoothing": 0.1},
+        {"reduction": "sum", "z_loss": 1e-3, "softcap": 5.0, "shift": True},
+        {"return_lse": True, "ignore_index": 3},
+        {"grad_in_forward": False, "chunk_size": 2 * V},
+    ],
+    ids=_id,
+)
 def test_module_equals_function(opts):
     h, w, b, t = make_inputs(seed=22, ignore_index=opts.get("ignore_index", IGN))
     kw = dict({"chunk_size": CHUNK}, **opts)
@@ -715,13 +753,20 @@ def test_inputs_not_modified_in_place(dtype, form):
     before = snapshot(h1, w1, b1, t)
     opts = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0}
     if form == "logprobs":
-        out = linear_logprobs(h1, w1, t, bias=b1, chunk_size=CHUNK, softcap=3.0, temperature=0.7,
-                              return_entropy=True)
+        out = linear_logprobs(h1, w1, t, bias=b1, chunk_size=CHUNK, softcap=3.0, temperature=0.7, return_entropy=True)
     elif form == "lse":
         out = linear_cross_entropy(h1, w1, t, bias=b1, chunk_size=CHUNK, return_lse=True, **opts)
     else:
-        out = linear_cross_entropy(h1, w1, t, bias=b1, chunk_size=CHUNK, reduction="none" if form == "none" else "mean",
-                                   grad_in_forward=form == "fused", **opts)
+        out = linear_cross_entropy(
+            h1,
+            w1,
+            t,
+            bias=b1,
+            chunk_size=CHUNK,
+            reduction="none" if form == "none" else "mean",
+            grad_in_forward=form == "fused",
+            **opts,
+        )
     outs = out if isinstance(out, tuple) else (out,)
     assert_unchanged(before, h1, w1, b1, t)
     gs = [upstream(o, seed=i) for i, o in enumerate(outs)]
@@ -762,15 +807,20 @@ def test_grad_accumulation_and_graph_composition(gif):
     t2 = torch.roll(t, 1)
     h1, w1, b1 = leaves(h, w, b)
     x1 = h1 * 1.5  # non-leaf hidden
-    total = (linear_cross_entropy(x1, w1, t, bias=b1, chunk_size=CHUNK, grad_in_forward=gif)
-             + 0.5 * linear_cross_entropy(x1, w1, t2, bias=b1, chunk_size=CHUNK, grad_in_forward=gif,
-                                          reduction="sum", z_loss=1e-3)
-             + (w1 ** 2).sum() * 1e-3)
+    total = (
+        linear_cross_entropy(x1, w1, t, bias=b1, chunk_size=CHUNK, grad_in_forward=gif)
+        + 0.5
+        * linear_cross_entropy(x1, w1, t2, bias=b1, chunk_size=CHUNK, grad_in_forward=gif, reduction="sum", z_loss=1e-3)
+        + (w1**2).sum() * 1e-3
+    )
     total.backward()
     h2, w2, b2 = leaves(h, w, b)
     x2 = h2 * 1.5
-    ref = (oracle_cross_entropy(x2, w2, t, b2) + 0.5 * oracle_cross_entropy(x2, w2, t2, b2, reduction="sum", z_loss=1e-3)
-           + (w2 ** 2).sum() * 1e-3)
+    ref = (
+        oracle_cross_entropy(x2, w2, t, b2)
+        + 0.5 * oracle_cross_entropy(x2, w2, t2, b2, reduction="sum", z_loss=1e-3)
+        + (w2**2).sum() * 1e-3
+    )
     ref.backward()
     assert_close32(total, ref)
     for x, y in ((h1, h2), (w1, w2), (b1, b2)):
@@ -791,16 +841,24 @@ def _bad_cases():
     h, w, b, t = _good()
     cases = [
         # (id, exception, regex, callable)
-        ("hidden_dim", ValueError, r"hidden.*weight|weight.*hidden",
-         lambda: linear_cross_entropy(torch.randn(6, 5), w, t)),
+        (
+            "hidden_dim",
+            ValueError,
+            r"hidden.*weight|weight.*hidden",
+            lambda: linear_cross_entropy(torch.randn(6, 5), w, t),
+        ),
         ("bias_len", ValueError, r"bias", lambda: linear_cross_entropy(h, w, t, bias=torch.randn(10))),
         ("bias_2d", ValueError, r"bias", lambda: linear_cross_entropy(h, w, t, bias=torch.randn(11, 1))),
         ("targets_float", TypeError, r"targets", lambda: linear_cross_entropy(h, w, t.float())),
         ("targets_bool", TypeError, r"targets", lambda: linear_cross_entropy(h, w, t > 3)),
         ("targets_too_big", ValueError, r"targets", lambda: linear_cross_entropy(h, w, t.clone().fill_(11))),
         ("targets_negative", ValueError, r"targets", lambda: linear_cross_entropy(h, w, t.clone().fill_(-1))),
-        ("targets_other_ignore", ValueError, r"targets",
-         lambda: linear_cross_entropy(h, w, t.clone().fill_(-100), ignore_index=-1)),
+        (
+            "targets_other_ignore",
+            ValueError,
+            r"targets",
+            lambda: linear_cross_entropy(h, w, t.clone().fill_(-100), ignore_index=-1),
+        ),
         ("targets_shape", ValueError, r"targets", lambda: linear_cross_entropy(h, w, t[:5])),
         ("targets_shape_2d", ValueError, r"targets", lambda: linear_cross_entropy(h, w, t.reshape(2, 3))),
         ("reduction", ValueError, r"reduction", lambda: linear_cross_entropy(h, w, t, reduction="avg")),
@@ -861,8 +919,11 @@ def test_non_tensor_argument_is_a_type_error(arg, fn):
 def test_integer_target_dtypes(tdtype, form):
     """Any integer dtype holding valid ids works like int64, or is refused with a TypeError naming targets."""
     h, w, b, t = _good()
-    f = (lambda tt: linear_cross_entropy(h, w, tt, bias=b, reduction="none")) if form == "ce" else \
-        (lambda tt: linear_logprobs(h, w, tt, bias=b))
+    f = (
+        (lambda tt: linear_cross_entropy(h, w, tt, bias=b, reduction="none"))
+        if form == "ce"
+        else (lambda tt: linear_logprobs(h, w, tt, bias=b))
+    )
     ref = f(t)
     try:
         got = f(t.to(tdtype))
@@ -931,14 +992,30 @@ class _MaxAllocation(TorchDispatchMode):
 
 def _memory_cases():
     return [
-        ("ce-fused", lambda h, w, b, t: (linear_cross_entropy(h, w, t, bias=b, chunk_size=MCHUNK, label_smoothing=0.1,
-                                                              z_loss=1e-3, softcap=5.0),)),
-        ("ce-recompute", lambda h, w, b, t: (linear_cross_entropy(h, w, t, bias=b, chunk_size=MCHUNK,
-                                                                  grad_in_forward=False, label_smoothing=0.1),)),
-        ("ce-none-lse", lambda h, w, b, t: linear_cross_entropy(h, w, t, bias=b, chunk_size=MCHUNK, reduction="none",
-                                                                return_lse=True, z_loss=1e-3)),
-        ("logprobs-entropy", lambda h, w, b, t: linear_logprobs(h, w, t, bias=b, chunk_size=MCHUNK,
-                                                                return_entropy=True, temperature=0.7, softcap=4.0)),
+        (
+            "ce-fused",
+            lambda h, w, b, t: (
+                linear_cross_entropy(h, w, t, bias=b, chunk_size=MCHUNK, label_smoothing=0.1, z_loss=1e-3, softcap=5.0),
+            ),
+        ),
+        (
+            "ce-recompute",
+            lambda h, w, b, t: (
+                linear_cross_entropy(h, w, t, bias=b, chunk_size=MCHUNK, grad_in_forward=False, label_smoothing=0.1),
+            ),
+        ),
+        (
+            "ce-none-lse",
+            lambda h, w, b, t: linear_cross_entropy(
+                h, w, t, bias=b, chunk_size=MCHUNK, reduction="none", return_lse=True, z_loss=1e-3
+            ),
+        ),
+        (
+            "logprobs-entropy",
+            lambda h, w, b, t: linear_logprobs(
+                h, w, t, bias=b, chunk_size=MCHUNK, return_entropy=True, temperature=0.7, softcap=4.0
+            ),
+        ),
     ]
 
 

@@ -1,58 +1,56 @@
-"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle, gloo world 2."""
+"""DTensor heads (vocab-sharded Shard(0) over a 1-D mesh) against the fp32 oracle (tests/oracle.py), gloo world 2.
+
+Each part (SECTIONS) is its own pytest item, run on the persistent 2-rank pool (``rank_pool``).
+"""
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-from dist_utils import run_ranks
+from helpers import leaf
+from oracle import oracle_cross_entropy, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
+from torch.distributed.tensor import (  # noqa: E402
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
 
-
-def _oracle_ce(h, w, b, t, *, label_smoothing=0.0, softcap=None, reduction="mean"):
-    z = F.linear(h.float(), w.float(), None if b is None else b.float())
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return F.cross_entropy(z, t, ignore_index=-100, reduction=reduction, label_smoothing=label_smoothing)
-
-
-def _oracle_logprobs(h, w, t, temperature):
-    z = F.linear(h.float(), w.float()) / temperature
-    logp = torch.log_softmax(z, -1)
-    valid = t != -100
-    lp = logp.gather(1, t.clamp(min=0)[:, None])[:, 0]
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
-
-
-def _leaf(x):
-    return x.detach().clone().requires_grad_(True)
+import cce_dist  # noqa: E402
 
 
 def _close(a, b, what, rtol=2e-5, atol=2e-6):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def body_dtensor(rank, world, group, vocab, d, n):
-    import cce_dist
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    g = torch.Generator().manual_seed(0)  # identical full tensors on every rank
+def _problem(vocab, d, n):
+    """Identical full tensors on every rank: head W [V, D], bias [V], hidden [N, D], targets [N]."""
+    g = torch.Generator().manual_seed(0)
     W = torch.randn(vocab, d, generator=g)
     B = torch.randn(vocab, generator=g)
     H = torch.randn(n, d, generator=g)
     T = torch.randint(0, vocab, (n,), generator=g)
     T[1] = -100
     T[0] = vocab - 1  # a target in the last (smaller, for uneven V) shard
+    return W, B, H, T
 
-    # 1) Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle
-    w_ref, b_ref, h_ref = _leaf(W), _leaf(B), _leaf(H)
-    ref = _oracle_ce(h_ref, w_ref, b_ref, T, label_smoothing=0.1, softcap=2.5)
+
+def _setup(world, vocab, d, n):
+    return (init_device_mesh("cpu", (world,)), *_problem(vocab, d, n))
+
+
+def _sharded_weight_and_bias(rank, world, group, vocab, d, n):
+    """Shard(0) weight and bias, plain hidden: loss and every gradient vs the oracle."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
+    w_ref, b_ref, h_ref = leaf(W), leaf(B), leaf(H)
+    ref = oracle_cross_entropy(h_ref, w_ref, T, b_ref, label_smoothing=0.1, softcap=2.5)
     ref.backward()
     wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
     bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
-    h = _leaf(H)
+    h = leaf(H)
     local_rows = wd.to_local().shape[0]
     assert local_rows == torch.chunk(torch.arange(vocab), world)[rank].numel()
     loss = cce_dist.linear_cross_entropy(h, wd, T, bias=bd, label_smoothing=0.1, softcap=2.5, impl="torch")
@@ -63,10 +61,14 @@ def body_dtensor(rank, world, group, vocab, d, n):
     _close(wd.grad.full_tensor(), w_ref.grad, "dW")
     _close(bd.grad.full_tensor(), b_ref.grad, "db")
     _close(h.grad, h_ref.grad, "dH")
+    return local_rows
 
-    # 2) logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)
-    w_ref, h_ref = _leaf(W), _leaf(H)
-    lp_ref, ent_ref = _oracle_logprobs(h_ref, w_ref, T, temperature=0.8)
+
+def _logprobs_replicate_and_token_sharded_hidden(rank, world, group, vocab, d, n):
+    """logprobs + entropy, hidden a Replicate DTensor and, separately, token-sharded Shard(0)."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
+    w_ref, h_ref = leaf(W), leaf(H)
+    lp_ref, ent_ref = oracle_logprobs(h_ref, w_ref, T, temperature=0.8, return_entropy=True)
     gl, ge = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.5, n)
     ((lp_ref * gl).sum() + (ent_ref * ge).sum()).backward()
     for placement in (Replicate(), Shard(0)):
@@ -80,13 +82,21 @@ def body_dtensor(rank, world, group, vocab, d, n):
         _close(wd.grad.full_tensor(), w_ref.grad, f"dW logprob ({placement})", atol=1e-5)
         assert hd.grad.placements == (placement,)
         _close(hd.grad.full_tensor(), h_ref.grad, f"dH logprob ({placement})", atol=1e-5)
+    return None
 
-    # 3) Replicate weight: no shard, the single-device path on every rank
+
+def _replicate_weight(rank, world, group, vocab, d, n):
+    """Replicate weight: no shard, the single-device path on every rank."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     wr = distribute_tensor(W, mesh, [Replicate()]).requires_grad_(True)
     loss = cce_dist.linear_cross_entropy(H, wr, T, reduction="sum", impl="torch")
-    _close(loss, _oracle_ce(H, W, None, T, reduction="sum"), "loss (Replicate weight)")
+    _close(loss, oracle_cross_entropy(H, W, T, reduction="sum"), "loss (Replicate weight)")
+    return None
 
-    # 4) clear errors naming the argument (raised on every rank, before any collective)
+
+def _clear_errors(rank, world, group, vocab, d, n):
+    """Clear errors naming the argument (raised on every rank, before any collective)."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     w1 = distribute_tensor(W, mesh, [Shard(1)])
     with pytest.raises(ValueError, match="weight is a DTensor with placements"):
         cce_dist.linear_cross_entropy(H, w1, T)
@@ -97,16 +107,18 @@ def body_dtensor(rank, world, group, vocab, d, n):
     wrong = cce_dist.VocabShard(group, 0, vocab) if rank == 0 else cce_dist.VocabShard(group, 0, 0)
     with pytest.raises(ValueError, match="disagrees with the DTensor"):
         cce_dist.linear_cross_entropy(H, ws, T, shard=wrong)
+    return None
 
-    # 5) torchtitan style: ColwiseParallel output layer, the loss called on its weight
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+def _colwise_parallel_output_layer(rank, world, group, vocab, d, n):
+    """torchtitan style: ColwiseParallel output layer, the loss called on its weight."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
     torch.manual_seed(1)
     model = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "output": torch.nn.Linear(d, vocab, bias=False)})
     with torch.no_grad():
         model["output"].weight.copy_(W)
-    h_in = _leaf(H)
-    ref = _oracle_ce(model["norm"](h_in), model["output"].weight, None, T)
+    h_in = leaf(H)
+    ref = oracle_cross_entropy(model["norm"](h_in), model["output"].weight, T)
     ref.backward()
     ref_dw = model["output"].weight.grad.clone()
     ref_dn = model["norm"].weight.grad.clone()
@@ -119,13 +131,24 @@ def body_dtensor(rank, world, group, vocab, d, n):
     _close(loss, ref.detach(), "loss (ColwiseParallel)")
     _close(w_out.grad.full_tensor(), ref_dw, "dW (ColwiseParallel)")
     _close(model["norm"].weight.grad, ref_dn, "d norm (ColwiseParallel): dH reduced exactly once")
-    return local_rows
+    return None
 
 
+SECTIONS = [
+    _sharded_weight_and_bias,
+    _logprobs_replicate_and_token_sharded_hidden,
+    _replicate_weight,
+    _clear_errors,
+    _colwise_parallel_output_layer,
+]
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=lambda f: f.__name__.lstrip("_"))
 @pytest.mark.parametrize("vocab", [11])  # uneven: torch.chunk gives rows [0, 6) and [6, 11)
-def test_dtensor_head_world2(tmp_path, vocab):
-    res = run_ranks(body_dtensor, world=2, tmp_path=tmp_path, kw=dict(vocab=vocab, d=8, n=7), timeout=400)
-    assert res == {0: 6, 1: 5}
+def test_dtensor_head_world2(rank_pool, vocab, section):
+    res = rank_pool(2).run(section, vocab=vocab, d=8, n=7, timeout=400)
+    if section is _sharded_weight_and_bias:
+        assert res == {0: 6, 1: 5}
 
 
 def test_from_dtensor_passes_plain_tensors_through():

@@ -177,3 +177,191 @@ def test_trainer_example_runs(capsys):
     out = capsys.readouterr().out
     assert "patched loss matches" in out and "steps: 3" in out
     assert last < 5.3
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers (PEFT, others), torch.compile, pickling, tuple outputs
+# ----------------------------------------------------------------------------------------------
+
+
+def _count_head_calls(model):
+    """A list that grows by one each time ``model.lm_head`` runs (i.e. the [B, T, V] logits are built)."""
+    calls = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: calls.append(tuple(out.shape)))
+    return calls
+
+
+def _count_loss_calls(monkeypatch):
+    """A list that grows by one each time the patched forward calls cce_dist's fused loss."""
+    calls = []
+    real = cce_hf.linear_cross_entropy
+
+    def spy(hidden, *args, **kwargs):
+        calls.append(tuple(hidden.shape))
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(cce_hf, "linear_cross_entropy", spy)
+    return calls
+
+
+def _lora(model, **kw):
+    peft = pytest.importorskip("peft")
+    # init_lora_weights=False: B != 0, so the adapter changes the forward and both A and B get gradients
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=kw.pop("target_modules", ["q_proj", "v_proj"]),
+                          init_lora_weights=False, **kw)
+    torch.manual_seed(7)  # the same adapter weights for the same model, whatever ran before
+    return peft.get_peft_model(model, cfg)
+
+
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])
+def test_peft_lora_model_computes_through_cce_dist(task_type, monkeypatch):
+    """patch(PeftModel) patches the causal LM inside; the PEFT forward then runs cce_dist's loss."""
+    peft_model = _lora(make_model("llama", tied=False), task_type=task_type)
+    peft_model.train()
+    ids, labels, mask = batch()
+    ref, ref_g = loss_and_grads(peft_model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert ref.logits is not None
+    assert any("lora_A" in n for n in ref_g) and all("lora_" in n for n in ref_g)  # only the adapter trains
+
+    assert cce_hf.patch(peft_model) is peft_model
+    assert cce_hf.is_patched(peft_model) and cce_hf.is_patched(peft_model.get_base_model())
+    head_calls, loss_calls = _count_head_calls(peft_model.get_base_model()), _count_loss_calls(monkeypatch)
+    got, got_g = loss_and_grads(peft_model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert got.logits is None and head_calls == [] and loss_calls == [(2, 9, 32)]  # hidden states, not logits
+    assert_same(ref, got, ref_g, got_g)
+
+    cce_hf.unpatch(peft_model)
+    assert not cce_hf.is_patched(peft_model)
+    assert peft_model(input_ids=ids, attention_mask=mask, labels=labels).logits.shape == (2, 9, VOCAB)
+
+
+def test_patch_then_peft_and_lora_on_lm_head_refused():
+    """Patching before get_peft_model works too; an adapter on lm_head is refused with the fix."""
+    model = make_model("llama", tied=False)
+    ids, labels, _ = batch()
+    ref_model = _lora(make_model("llama", tied=False))
+    ref = ref_model(input_ids=ids, labels=labels).loss
+    cce_hf.patch(model)
+    peft_model = _lora(model)
+    got = peft_model(input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=1e-6)
+
+    with pytest.raises(TypeError, match="lm_head.*PEFT adapter.*target_modules"):
+        cce_hf.patch(_lora(make_model("llama", tied=False), target_modules=["q_proj", "lm_head"]))
+    # an adapter put on lm_head after patching: refused at the call, not a wrong loss
+    late = cce_hf.patch(make_model("llama", tied=False))
+    late = _lora(late, target_modules=["lm_head"])
+    with pytest.raises(TypeError, match="lm_head.*PEFT adapter"):
+        late(input_ids=ids, labels=labels)
+
+
+def test_wrappers_whose_model_is_not_the_decoder_are_refused():
+    model = make_model("llama", tied=False)
+
+    class Wrapper(torch.nn.Module):  # looks like a causal LM (config, lm_head, .model) but .model is the whole LM
+        def __init__(self, lm):
+            super().__init__()
+            self.model, self.lm_head, self.config = lm, lm.lm_head, lm.config
+
+        def forward(self, input_ids=None, labels=None, **kw):
+            return self.model(input_ids=input_ids, labels=labels, **kw)
+
+    with pytest.raises(TypeError, match="patch the causal LM inside"):
+        cce_hf.patch(Wrapper(model))
+
+    class LMWrapper(transformers.PreTrainedModel):  # a transformers model whose .model is a *ForCausalLM
+        config_class = type(model.config)
+        base_model_prefix = "model"
+        _supports_sdpa = True
+
+        def __init__(self, lm):
+            super().__init__(lm.config)
+            self.model, self.lm_head = lm, lm.lm_head
+
+        def forward(self, labels=None, **kw):
+            return self.model(labels=labels, **kw)
+
+    with pytest.raises(TypeError, match="LlamaForCausalLM, not the decoder"):
+        cce_hf.patch(LMWrapper(model))
+    assert not cce_hf.is_patched(model)
+
+
+def test_patched_model_compiles_fullgraph():
+    """torch.compile(patched model, fullgraph=True): same loss and gradients as the unpatched model, no logits."""
+    torch._dynamo.reset()
+    model = make_model("llama", tied=True)
+    ids, labels, mask = batch()
+    ref, ref_g = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    cce_hf.patch(model)
+    # aot_eager traces forward and backward (dynamo + AOTAutograd) like inductor, without a C++ build
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got, got_g = loss_and_grads(compiled, input_ids=ids, attention_mask=mask, labels=labels)
+    assert got.logits is None
+    got_g = {n.removeprefix("_orig_mod."): g for n, g in got_g.items()}
+    assert_same(ref, got, ref_g, got_g)
+    torch._dynamo.reset()
+
+
+def test_patch_survives_pickling_and_deepcopy(monkeypatch):
+    """torch.save / torch.load (and deepcopy) keep the patch: the loaded model never builds the logits."""
+    import copy
+    import io
+
+    model = make_model("gemma2", tied=True)
+    ids, labels, mask = batch()
+    ref, ref_g = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    cce_hf.patch(model, label_smoothing=0.0, chunk_size=64)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for clone in (loaded, copy.deepcopy(model)):
+        assert cce_hf.is_patched(clone) and clone.forward.model is clone
+        assert clone.forward.options == {"label_smoothing": 0.0, "chunk_size": 64}
+        head_calls, loss_calls = _count_head_calls(clone), _count_loss_calls(monkeypatch)
+        got, got_g = loss_and_grads(clone, input_ids=ids, attention_mask=mask, labels=labels)
+        assert got.logits is None and head_calls == [] and loss_calls == [(2, 9, 32)]
+        assert_same(ref, got, ref_g, got_g)
+        cce_hf.unpatch(clone)
+        assert not cce_hf.is_patched(clone) and "forward" not in vars(clone)
+        assert clone(input_ids=ids, labels=labels).logits.shape == (2, 9, VOCAB)
+
+
+@pytest.mark.parametrize("extra", [{}, {"use_cache": False}, {"output_hidden_states": True}],
+                         ids=["cache", "no-cache", "hidden-states"])
+def test_tuple_output_keeps_the_original_positions(extra):
+    """return_dict=False: (loss, None, *rest) where the unpatched model gives (loss, logits, *rest)."""
+    model = make_model("qwen2", tied=True)
+    ids, labels, mask = batch()
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False, **extra)
+    cce_hf.patch(model)
+    got = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False, **extra)
+    assert isinstance(got, tuple) and len(got) == len(ref) >= 2
+    assert ref[1].shape == (2, 9, VOCAB) and got[1] is None
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for r, g in zip(ref[2:], got[2:]):
+        assert type(g) is type(r)
+        if isinstance(r, tuple):  # hidden states: one per layer + embeddings, same values
+            assert len(g) == len(r)
+            for a, b in zip(g, r):
+                torch.testing.assert_close(a, b)
+
+
+def test_trainer_example_with_lora_trains_through_cce_dist(capsys, monkeypatch):
+    """``--lora``: the Trainer fine-tunes a PEFT model whose loss comes from cce_dist (never from logits)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    import importlib.util
+    import math
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("hf_trainer_finetune",
+                                                  os.path.join(root, "examples", "hf_trainer_finetune.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loss_calls = _count_loss_calls(monkeypatch)
+    last = example.main(["--max-steps", "2", "--lora"])
+    out = capsys.readouterr().out
+    assert "LoRA:" in out and "steps: 2" in out and math.isfinite(last)
+    assert len(loss_calls) == 2 * 2  # 2 optimizer steps x 2 accumulated micro-batches, all through cce_dist

@@ -164,12 +164,13 @@ def _megatron_body(rank, world, group):
         with torch.no_grad():
             _close("shift", output_layer_loss(lyr, hidden, labels_ign, shift=1),
                    output_layer_loss(lyr, hidden, shifted))
-        # a layer without a tp_group attribute (older megatron-core): parallel_state's TP group
-        assert lyr.tp_group is tp_group
-        with torch.no_grad():
-            want = output_layer_loss(lyr, hidden, labels_ign)
-            del lyr.tp_group
-            _close("no tp_group attribute", output_layer_loss(lyr, hidden, labels_ign), want)
+        # a layer without a tp_group attribute (megatron-core 0.12): parallel_state's TP group
+        if hasattr(lyr, "tp_group"):  # >= 0.13
+            assert lyr.tp_group is tp_group
+            with torch.no_grad():
+                want = output_layer_loss(lyr, hidden, labels_ign)
+                del lyr.tp_group
+                _close("no tp_group attribute", output_layer_loss(lyr, hidden, labels_ign), want)
         cases += 1
 
         # disable_grad_reduce (LoRA): the layer leaves dH partial per rank, and so must we

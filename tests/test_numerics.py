@@ -17,9 +17,8 @@ import os
 
 import pytest
 import torch
-
+from helpers import TRITON, close_report
 from oracle import oracle_cross_entropy, oracle_logprobs
-from test_fuzz import TRITON, close_report
 
 from cce_dist import linear_cross_entropy, linear_logprobs
 
@@ -76,8 +75,11 @@ FAULTS = {
 FORMS = {
     "ce_none": (linear_cross_entropy, oracle_cross_entropy, dict(reduction="none")),
     "ce_mean_fused": (linear_cross_entropy, oracle_cross_entropy, dict(reduction="mean")),
-    "ce_sum_smooth_zloss": (linear_cross_entropy, oracle_cross_entropy,
-                            dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, grad_in_forward=False)),
+    "ce_sum_smooth_zloss": (
+        linear_cross_entropy,
+        oracle_cross_entropy,
+        dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, grad_in_forward=False),
+    ),
     "ce_none_softcap": (linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", softcap=5.0)),
     "logprobs_entropy": (linear_logprobs, oracle_logprobs, dict(return_entropy=True, temperature=0.7)),
 }
@@ -123,16 +125,19 @@ def test_nonfinite_inputs_propagate_like_the_materialized_loss(impl, form, fault
             assert not bool(torch.isfinite(x).all()), f"{name} is finite although the materialized one is not"
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=[
-    pytest.mark.skipif(not TRITON, reason="no cce_dist.kernels")])])
+@pytest.mark.parametrize(
+    "impl", ["torch", pytest.param("triton", marks=[pytest.mark.skipif(not TRITON, reason="no cce_dist.kernels")])]
+)
 def test_neg_inf_bias_masks_a_token(impl):
     """A -inf bias entry removes a token from the softmax; everything stays finite and exact."""
     h, w, b, t = _problem()
     b[[3, 20]] = float("-inf")
     t[t == 3] = 2
     t[t == 20] = 2
-    for fn, oracle, kw in ((linear_cross_entropy, oracle_cross_entropy, dict(reduction="none")),
-                           (linear_logprobs, oracle_logprobs, {})):
+    for fn, oracle, kw in (
+        (linear_cross_entropy, oracle_cross_entropy, dict(reduction="none")),
+        (linear_logprobs, oracle_logprobs, {}),
+    ):
         outs, grads = _run(fn, h, w, b, t, impl=impl, **kw)
         refs, rgrads = _run(oracle, h, w, b, t, **kw)
         for o, r in zip(outs + list(grads), refs + list(rgrads)):
@@ -158,8 +163,13 @@ def test_neg_inf_bias_entropy_equals_removed_tokens(impl, temperature):
     kw = dict(return_entropy=True, temperature=temperature)
     outs, grads = _run(linear_logprobs, h, w, b, t, impl=impl, **kw)
     refs, rgrads = _run(oracle_logprobs, h, w[keep], b[keep], t_red, **kw)
-    for name, o, r in (("logprobs", outs[0], refs[0]), ("entropy", outs[1], refs[1]), ("dH", grads[0], rgrads[0]),
-                       ("dW", grads[1][keep], rgrads[1]), ("db", grads[2][keep], rgrads[2])):
+    for name, o, r in (
+        ("logprobs", outs[0], refs[0]),
+        ("entropy", outs[1], refs[1]),
+        ("dH", grads[0], rgrads[0]),
+        ("dW", grads[1][keep], rgrads[1]),
+        ("db", grads[2][keep], rgrads[2]),
+    ):
         assert bool(torch.isfinite(o).all()), f"{name}: a masked token made something non-finite"
         assert (m := close_report(o, r, 3e-5, 1e-4)) is None, f"{name}: {m}"
     assert float(grads[1][masked].abs().max()) == 0.0 and float(grads[2][masked].abs().max()) == 0.0
@@ -174,8 +184,9 @@ def test_zloss_nonfinite_ignored_row_gives_no_gradient(impl, reduction):
     h[4, 0] = float("nan")  # t[4] is ignore_index
     valid = t != IGN
     _, grads = _run(linear_cross_entropy, h, w, b, t, impl=impl, reduction=reduction, z_loss=1e-3)
-    _, rgrads = _run(oracle_cross_entropy, torch.where(valid.unsqueeze(1), h, 0.0), w, b, t, reduction=reduction,
-                     z_loss=1e-3)
+    _, rgrads = _run(
+        oracle_cross_entropy, torch.where(valid.unsqueeze(1), h, 0.0), w, b, t, reduction=reduction, z_loss=1e-3
+    )
     assert float(grads[0][4].abs().max()) == 0.0, "the ignored row got a hidden gradient"
     assert (m := close_report(grads[1], rgrads[1], 3e-5, 1e-4)) is None, f"dW: {m}"
 
@@ -239,8 +250,9 @@ def test_bitwise_deterministic_across_runs(impl, dtype, case):
     for k in range(1, len(runs)):
         for a, c in zip(runs[0], runs[k]):
             if a is not None:
-                assert torch.equal(a.reshape(-1).view(torch.uint8), c.reshape(-1).view(torch.uint8)), \
+                assert torch.equal(a.reshape(-1).view(torch.uint8), c.reshape(-1).view(torch.uint8)), (
                     f"run {k} differs bitwise from run 0"
+                )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,13 +287,16 @@ def test_fp16_logits_near_the_range_limit(impl):
     w[:, 1] = torch.rand(v, generator=g) * 0.01
     w = (w * 250).to(torch.float16)  # |z| <= 250 * 250 * 0.99 + ... < 65504
     t = torch.randint(0, v, (n,), generator=g)
-    z = (h.float() @ w.float().t())
+    z = h.float() @ w.float().t()
     assert 5e4 < float(z.abs().max()) < 65504
-    for fn, oracle, kw in ((linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", label_smoothing=0.1)),
-                           (linear_cross_entropy, oracle_cross_entropy, dict(reduction="sum")),
-                           (linear_logprobs, oracle_logprobs, dict(return_entropy=True))):
-        outs, _ = _check_against_oracle(fn, oracle, h, w, None, t, dtype=torch.float16, impl=impl,
-                                        tol_out=2e-3, tol_grad=2e-2, **kw)
+    for fn, oracle, kw in (
+        (linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", label_smoothing=0.1)),
+        (linear_cross_entropy, oracle_cross_entropy, dict(reduction="sum")),
+        (linear_logprobs, oracle_logprobs, dict(return_entropy=True)),
+    ):
+        outs, _ = _check_against_oracle(
+            fn, oracle, h, w, None, t, dtype=torch.float16, impl=impl, tol_out=2e-3, tol_grad=2e-2, **kw
+        )
         if fn is linear_cross_entropy:
             assert bool((outs[0] >= 0).all()), "a negative loss"
 
@@ -292,11 +307,14 @@ def test_bf16_logits_near_the_range_limit(impl):
     h = torch.tensor([[1.0], [-1.0], [0.5], [-0.5], [0.25], [1.0]], dtype=torch.bfloat16)
     w = (torch.linspace(-1, 1, 40) * 6e37).to(torch.bfloat16).unsqueeze(1)
     t = torch.tensor([39, 0, 20, 3, 39, 0])
-    for fn, oracle, kw in ((linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", z_loss=0.0)),
-                           (linear_cross_entropy, oracle_cross_entropy, dict(reduction="mean")),
-                           (linear_logprobs, oracle_logprobs, {})):
-        outs, _ = _check_against_oracle(fn, oracle, h, w, None, t, dtype=torch.bfloat16, impl=impl,
-                                        tol_out=1e-2, tol_grad=2e-2, **kw)
+    for fn, oracle, kw in (
+        (linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", z_loss=0.0)),
+        (linear_cross_entropy, oracle_cross_entropy, dict(reduction="mean")),
+        (linear_logprobs, oracle_logprobs, {}),
+    ):
+        outs, _ = _check_against_oracle(
+            fn, oracle, h, w, None, t, dtype=torch.bfloat16, impl=impl, tol_out=1e-2, tol_grad=2e-2, **kw
+        )
         assert float(outs[0].max() if fn is linear_logprobs else -outs[0].min()) <= 0.0
 
 
@@ -305,8 +323,19 @@ def test_bf16_logits_near_the_range_limit_entropy_gradient(impl):
     h = torch.tensor([[1.0], [-1.0], [0.5], [-0.5], [0.25], [1.0]], dtype=torch.bfloat16)
     w = (torch.linspace(-1, 1, 40) * 6e37).to(torch.bfloat16).unsqueeze(1)
     t = torch.tensor([39, 0, 20, 3, 39, 0])
-    _check_against_oracle(linear_logprobs, oracle_logprobs, h, w, None, t, dtype=torch.bfloat16, impl=impl,
-                          tol_out=1e-2, tol_grad=2e-2, return_entropy=True)
+    _check_against_oracle(
+        linear_logprobs,
+        oracle_logprobs,
+        h,
+        w,
+        None,
+        t,
+        dtype=torch.bfloat16,
+        impl=impl,
+        tol_out=1e-2,
+        tol_grad=2e-2,
+        return_entropy=True,
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -338,9 +367,14 @@ def test_softcap_with_huge_and_infinite_logits(impl, dtype):
     # one infinite entry per row: raw logits +-inf (never inf - inf = NaN, which no cap can fix)
     h[1, 0] = float("inf")
     h[3, 5] = float("-inf")
-    for fn, oracle, kw in ((linear_cross_entropy, oracle_cross_entropy, dict(reduction="none", softcap=30.0,
-                                                                            label_smoothing=0.1, z_loss=1e-4)),
-                           (linear_logprobs, oracle_logprobs, dict(softcap=30.0, return_entropy=True))):
+    for fn, oracle, kw in (
+        (
+            linear_cross_entropy,
+            oracle_cross_entropy,
+            dict(reduction="none", softcap=30.0, label_smoothing=0.1, z_loss=1e-4),
+        ),
+        (linear_logprobs, oracle_logprobs, dict(softcap=30.0, return_entropy=True)),
+    ):
         outs, grads = _run(fn, h, w, b, t, impl=impl, **kw)
         refs, rgrads = _run(oracle, h, w, b, t, dtype=dtype, **kw)
         for o, r in zip(outs, refs):

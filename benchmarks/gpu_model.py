@@ -1,0 +1,284 @@
+"""Static performance model of the cce_dist kernels on H100 / H200, from their compiled cubins.
+
+Question: before any GPU run, what should each kernel cost at the CCE paper shape (N=8192 tokens,
+D=2304, V=256,000, bf16), what bounds it (tensor cores, elementwise, HBM or atomics), and which
+backward schedule is worth having? The model is the plan for the first real GPU run: gpu_suite
+measures the same kernels and puts the measured times next to these estimates.
+
+Nothing here runs a kernel. Each launch is compiled for sm_90 exactly as the library would launch
+it on that device (``cce_dist.kernels.aot``: the launcher's own plan and specialization, the
+config the library selects from the device record), and the registers / shared memory of the
+cubin give the occupancy. Every other number is an assumption, stated in ASSUMPTIONS and printed
+with the results.
+
+    python -m benchmarks.gpu_model          # -> benchmarks/results/gpu_model.{md,json}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.common import close_env, env_info, md_table, save_results
+
+N, D, V = 8192, 2304, 256_000
+
+#: Device parameters (public datasheets, SXM parts) and modelling assumptions. Units: bytes, s, Hz.
+GPUS = {
+    "H100 SXM": dict(sms=132, clock_hz=1.83e9, peak_bf16=989e12, hbm_bps=3.35e12, l2_bytes=50 << 20,
+                     smem_per_sm=233_472, regs_per_sm=65_536),
+    "H200 SXM": dict(sms=132, clock_hz=1.83e9, peak_bf16=989e12, hbm_bps=4.8e12, l2_bytes=50 << 20,
+                     smem_per_sm=233_472, regs_per_sm=65_536),
+}
+ASSUMPTIONS = {
+    "peak_bf16": "dense bf16 tensor-core peak, 989 TFLOP/s (132 SMs x 4096 FLOP/clk x 1.83 GHz)",
+    "mma_efficiency": "a Triton wgmma main loop reaches 75% of peak with 128x128 (or larger) tiles, 8 warps and "
+                      ">= 3 stages, 65% with 64-row tiles (Triton matmul tutorial figures on H100); scaled by "
+                      "the last wave's fill",
+    "mufu": "exp2 / tanh on the SFU at 16 per clock per SM",
+    "alu": "fp32 elementwise at 128 per clock per SM; the forward's online-softmax epilogue counts 16 ops per "
+           "logit (+4 with softcap), the backward's dz 14 ops (+4 with softcap, +3 with filtering)",
+    "epilogue_overlap": "none: Triton 3.9 runs a tile's elementwise epilogue after its K loop (no warp "
+                        "specialization), so elementwise time adds to the MMA time (conservative)",
+    "atomics": "fp32 red.global.add (no return) to distinct L2-resident addresses at 1.5 TB/s of payload on "
+               "H100/H200 (not measured; gpu_suite's atomic microbenchmark measures it on the first run)",
+    "l2": "50 MB L2; a [BLOCK, D] operand tile shared by the programs of one swizzle group is read from HBM once "
+          "per group; outputs larger than L2 are read-modify-written in HBM once per group that updates them",
+    "hbm": "HBM at 90% of the datasheet bandwidth (3.35 TB/s H100, 4.8 TB/s H200)",
+}
+MMA_EFF_BIG, MMA_EFF_SMALL, HBM_EFF, ATOMIC_BPS = 0.75, 0.65, 0.90, 1.5e12
+MUFU_PER_CLK, ALU_PER_CLK = 16, 128
+
+
+def _compile_rows() -> list[dict]:
+    """Compile the launches for sm_90 in a subprocess without TRITON_INTERPRET (real compiler)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+    code = r"""
+import json, sys, torch
+from dataclasses import asdict
+from cce_dist.kernels import aot, config as C
+props = C.KNOWN_DEVICES["sm_90"]
+N, D, V = %d, %d, %d
+cases = {
+  "forward": aot.forward_launches(props, torch.bfloat16, N, D, V),
+  "forward softcap": aot.forward_launches(props, torch.bfloat16, N, D, V, softcap=30.0)[:1],
+  "backward fused": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False),
+  "backward super-tile (opt-in)": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False,
+                                                        schedule="super"),
+  "backward fused filter": aot.backward_launches(props, torch.bfloat16, N, D, V, filter_eps=2.0**-12),
+  "backward deterministic": aot.backward_launches(props, torch.bfloat16, N, D, V, deterministic=True),
+}
+rows = []
+for label, launches in cases.items():
+    for kernel, grid, args, kw in launches:
+        r = asdict(aot.compile_launch(kernel, args, kw, 90))
+        r.update(label=label, grid=list(grid))
+        rows.append(r)
+json.dump(rows, sys.stdout)
+""" % (N, D, V)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        sys.exit(out.stderr[-4000:])
+    import json
+
+    return json.loads(out.stdout)
+
+
+def occupancy(r: dict, g: dict) -> int:
+    """Resident blocks per SM from the cubin's registers and shared memory."""
+    warps = r["num_warps"]
+    regs_per_warp = math.ceil(r["registers"] * 32 / 256) * 256
+    by_regs = g["regs_per_sm"] // (regs_per_warp * warps)
+    by_smem = g["smem_per_sm"] // (r["shared"] + 1024)  # 1 KB per block reserved by the driver
+    return max(0, min(by_regs, by_smem, 64 // warps, 32))
+
+
+def model(r: dict, g: dict) -> dict:
+    """Time and bounds of one compiled launch on GPU ``g`` at the paper shape."""
+    c = r["constexprs"]
+    bn, bv, warps = c["BLOCK_N"], c["BLOCK_V"], r["num_warps"]
+    kern = r["kernel"]
+    softcap, filt = c.get("HAS_SOFTCAP", False), c.get("FILTER", False)
+    logits = N * V
+    wbytes, hbytes = V * D * 2, N * D * 2
+    programs = math.prod(r["grid"])
+    blocks = occupancy(r, g)
+    slots = g["sms"] * max(blocks, 1)
+    if kern == "_grads_super_kernel":  # persistent: the work items are the 2x2 super-tiles
+        supers = math.ceil(math.ceil(N / bn) / 2) * math.ceil(math.ceil(V / bv) / 2)
+        waves = math.ceil(supers / min(programs, slots))
+        fill = supers / (waves * min(programs, slots)) * min(programs, slots) / slots
+    else:
+        waves = math.ceil(programs / slots)
+        fill = programs / (waves * slots)
+    if kern == "_row_stats_kernel":
+        mma_flops, useful = 2 * logits * D, 2 * logits * D
+        alu = 16 + (4 if softcap else 0)
+        mufu = 1 + (1 if softcap else 0)
+        # Programs of one split walk the same W rows together: W from HBM once, H from L2.
+        hbm = wbytes + hbytes + programs * 0
+        atomic_bytes = 0
+    else:
+        per_tile_mma = {"_grads_fused_kernel": 3, "_grads_super_kernel": 3, "_grads_dh_kernel": 2,
+                        "_grads_dw_kernel": 2}[kern]
+        mma_flops = per_tile_mma * 2 * logits * D
+        useful = {"_grads_fused_kernel": 4, "_grads_super_kernel": 4, "_grads_dh_kernel": 2,
+                  "_grads_dw_kernel": 2}[kern] * logits * D
+        alu = 14 + (4 if softcap else 0) + (3 if filt else 0)
+        mufu = 1 + (1 if softcap else 0)
+        if kern == "_grads_fused_kernel":
+            group = c.get("GROUP_N", 8)
+            groups = math.ceil(N / (bn * group))
+            # W re-read per group of token tiles; dW (fp32, > L2) read-modify-written per group.
+            hbm = groups * wbytes + hbytes + groups * 2 * V * D * 4 + 2 * N * D * 4
+            atomic_bytes = (math.ceil(V / bv) * N * D + math.ceil(N / bn) * V * D) * 4
+        elif kern == "_grads_super_kernel":
+            # Same as the per-tile kernel with 2x taller / wider output blocks: a dH block is updated
+            # once per pair of vocab tiles, a dW block once per pair of token tiles. Groups span
+            # 2 * GROUP_N token tiles. The parked dz tiles (3 writes, 4 reads of BLOCK_N x BLOCK_V
+            # per super-tile) stay in L2 and are not counted.
+            group = c.get("GROUP_N", 8)
+            groups = math.ceil(N / (2 * bn * group))
+            hbm = groups * wbytes + hbytes + groups * 2 * V * D * 4 + 2 * N * D * 4
+            atomic_bytes = (math.ceil(V / (2 * bv)) * N * D + math.ceil(N / (2 * bn)) * V * D) * 4
+        elif kern == "_grads_dh_kernel":
+            # Each program owns [BLOCK_N, D] fp32 of dH (load-add-store per vocab tile): the
+            # resident programs' blocks exceed L2, so every update goes to HBM.
+            hbm = math.ceil(N / bn) * wbytes + hbytes + math.ceil(V / bv) * N * D * 4 * 2
+            atomic_bytes = 0
+        else:
+            hbm = wbytes + math.ceil(V / bv) * hbytes + math.ceil(N / bn) * V * D * 4 * 2
+            atomic_bytes = 0
+    eff = MMA_EFF_BIG if (bn >= 128 or bv >= 256) and warps >= 8 else MMA_EFF_SMALL
+    t_mma = mma_flops / (g["peak_bf16"] * eff * fill)
+    per_s = g["sms"] * g["clock_hz"]
+    t_elem = logits * (alu / (ALU_PER_CLK * per_s) + mufu / (MUFU_PER_CLK * per_s))
+    t_hbm = hbm / (g["hbm_bps"] * HBM_EFF)
+    t_atomic = atomic_bytes / ATOMIC_BPS
+    bounds = {"tensor+elementwise": t_mma + t_elem, "hbm": t_hbm, "atomics": t_atomic}
+    t = max(bounds.values())
+    return dict(
+        programs=programs, blocks_per_sm=blocks, waves=waves, last_wave_fill=round(fill, 3),
+        mma_tflop=mma_flops / 1e12, useful_tflop=useful / 1e12, hbm_gb=hbm / 1e9, atomic_gb=atomic_bytes / 1e9,
+        t_mma_ms=t_mma * 1e3, t_elem_ms=t_elem * 1e3, t_hbm_ms=t_hbm * 1e3, t_atomic_ms=t_atomic * 1e3,
+        est_ms=t * 1e3, bound=max(bounds, key=bounds.get), frac_peak=useful / t / g["peak_bf16"],
+    )
+
+
+def schedules(g: dict) -> list[dict]:
+    """Backward schedules compared on atomic bytes and estimated time (128x128 tiles, bf16)."""
+    bn = bv = 128
+    logits = N * V
+    grad_flops = 4 * logits * D
+    t_recompute = 2 * logits * D / (g["peak_bf16"] * MMA_EFF_BIG)
+    t_grad = grad_flops / (g["peak_bf16"] * MMA_EFF_BIG)
+    base_atomics = (V // bv * N * D + N // bn * V * D) * 4
+    rows = []
+
+    def add(name, atomics, scratch, grad_frac, hbm_rmw, note):
+        t = max(t_recompute + t_grad * grad_frac, atomics / ATOMIC_BPS, hbm_rmw / (g["hbm_bps"] * HBM_EFF))
+        rows.append(dict(schedule=name, atomic_gb=atomics / 1e9, scratch_mb=scratch / 2**20,
+                         est_ms=t * 1e3, frac_peak=grad_flops / t / g["peak_bf16"], note=note))
+
+    add("per-tile 128x128 (default)", base_atomics, 0, 1.0, 8 * 2 * V * D * 4,
+        "one atomic per output element per tile pair")
+    add("fused 128x256 (Blackwell TMEM acc)", (V // 256 * N * D + N // bn * V * D) * 4, 0, 1.0, 8 * 2 * V * D * 4,
+        "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics")
+    add("2x2 super-tiles (opt-in, _schedule='super')", base_atomics / 2, 132 * 3 * bn * bv * 2, 1.0,
+        4 * 2 * V * D * 4, "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics")
+    for f in (0.5, 0.9):
+        add(f"fused + filtering, {int(f * 100)}% tiles skipped", base_atomics * (1 - f), 0, 1 - f,
+            8 * 2 * V * D * 4 * (1 - f), "the skip rate depends on the data (see filter_effect.md)")
+    add("deterministic (owner-computes, load-add-store)", 0, 0, 1.5, 2 * (V // bv * N * D + N // bn * V * D) * 4,
+        "no atomics; each update is an HBM read+write (blocks exceed L2); 4 matmuls")
+    return rows
+
+
+def render(p: dict) -> str:
+    e = p["env"]
+    out = [f"# Static GPU model of the cce_dist kernels (N={N}, D={D}, V={V}, bf16)", "",
+           f"- date {e['date']}, git `{e['git_commit']}`, triton {e.get('triton')}, compiled for sm_90 "
+           "(the config the library selects from the H100/H200 device record)",
+           "- Nothing was run on a GPU: registers, spills and shared memory are from the cubins "
+           "(`cuobjdump --dump-resource-usage`); every other figure follows from the assumptions below.", "",
+           "## Assumptions", ""]
+    out += [f"- **{k}**: {v}" for k, v in p["assumptions"].items()]
+    out += ["", "## Compiled kernels (sm_90)", ""]
+    out.append(md_table(
+        ["launch", "kernel", "tile (N x V x D)", "warps/stages", "regs", "spill B", "smem KB", "blocks/SM",
+         "programs", "mma"],
+        [[r["label"], r["kernel"], f"{r['constexprs']['BLOCK_N']}x{r['constexprs']['BLOCK_V']}x"
+          f"{r['constexprs']['BLOCK_D']}", f"{r['num_warps']}/{r['num_stages']}", r["registers"],
+          r["stack"] + r["local"], round(r["shared"] / 1024, 1), r["H100 SXM"]["blocks_per_sm"],
+          r["H100 SXM"]["programs"], ",".join(r["mma"])] for r in p["kernels"]]))
+    for gname in GPUS:
+        out += ["", f"## Estimated time on {gname}", ""]
+        out.append(md_table(
+            ["launch", "kernel", "MMA TFLOP", "HBM GB", "atomic GB", "t_mma ms", "t_elem ms", "t_hbm ms",
+             "t_atomic ms", "est ms", "bound", "% of bf16 peak (useful FLOPs)"],
+            [[r["label"], r["kernel"], round(m["mma_tflop"], 2), round(m["hbm_gb"], 1), round(m["atomic_gb"], 1),
+              round(m["t_mma_ms"], 2), round(m["t_elem_ms"], 2), round(m["t_hbm_ms"], 2), round(m["t_atomic_ms"], 2),
+              round(m["est_ms"], 2), m["bound"], round(100 * m["frac_peak"], 1)]
+             for r in p["kernels"] for m in [r[gname]]]))
+        out += ["", f"### Backward schedules on {gname} (atomic traffic vs time)", ""]
+        out.append(md_table(["schedule", "atomic GB", "scratch MB", "est ms", "% of peak", "note"],
+                            [[s["schedule"], round(s["atomic_gb"], 1), round(s["scratch_mb"], 1),
+                              round(s["est_ms"], 1), round(100 * s["frac_peak"], 1), s["note"]]
+                             for s in p["schedules"][gname]]))
+    out += ["", "## Reading", ""] + [f"- {x}" for x in p["reading"]]
+    out += ["", "## Plan for the first GPU run", ""] + [f"{i + 1}. {x}" for i, x in enumerate(p["plan"])]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    started = time.perf_counter()
+    import triton
+
+    env = env_info(triton=triton.__version__)
+    rows = _compile_rows()
+    for r in rows:
+        for gname, g in GPUS.items():
+            r[gname] = model(r, g)
+    sched = {gname: schedules(g) for gname, g in GPUS.items()}
+    h100 = {r["label"] + "/" + r["kernel"]: r["H100 SXM"] for r in rows}
+    fwd = min((m for k, m in h100.items() if k.startswith("forward/")), key=lambda m: m["est_ms"])
+    bwd = h100["backward fused/_grads_fused_kernel"]
+    sup = h100["backward super-tile (opt-in)/_grads_super_kernel"]
+    reading = [
+        f"Forward (best autotune candidate): {fwd['est_ms']:.1f} ms, {100 * fwd['frac_peak']:.0f}% of bf16 peak, "
+        f"bound by {fwd['bound']}; the elementwise epilogue costs {fwd['t_elem_ms']:.1f} ms of it.",
+        f"Fused backward: {bwd['est_ms']:.1f} ms, {100 * bwd['frac_peak']:.0f}% of peak, bound by {bwd['bound']}: "
+        f"{bwd['atomic_gb']:.0f} GB of fp32 atomics against {bwd['mma_tflop']:.0f} TFLOP of MMA "
+        f"({bwd['t_mma_ms']:.0f} ms); the opt-in 2x2 super-tile schedule issues {sup['atomic_gb']:.0f} GB and is "
+        f"estimated at {sup['est_ms']:.1f} ms (the model ignores its spills). Unless atomics run far faster than "
+        "assumed, atomic traffic, not tensor cores, sets the backward's time.",
+        "Atomic bytes scale as N*V*D*(1/BLOCK_V + 1/BLOCK_N); for a fixed register budget (the 128x128 fp32 "
+        "accumulator) the square tile is already optimal, so halving them needs a larger effective tile: "
+        "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them "
+        "(implemented, `_schedule='super'`, but it spills 136-816 B/thread with Triton 3.9, so it is opt-in); "
+        "filtering removes them in proportion to the skipped tiles, but its epilogue needs 64-row tiles to "
+        "stay spill-free, which costs 1.5x the atomics when few tiles are skipped (row 'backward fused "
+        "filter': no skips assumed).",
+        "The deterministic schedule moves its outputs through HBM and is the slowest; it is a debugging mode.",
+    ]
+    plan = [
+        "Run `bash benchmarks/gpu_suite.sh`: GPU tests, then timings; gpu_suite.md puts these estimates next to "
+        "the measured forward and backward times at this shape.",
+        "Measure fp32 atomic throughput (gpu_suite's atomic microbenchmark, L2-resident and HBM-sized buffers) "
+        "and replace the 1.5 TB/s assumption; re-run this model.",
+        "Compare the per-tile and the super-tile backward (gpu_suite times both): if the super-tile one is "
+        "faster despite its spills, make it the default (and work on its register use); if neither is "
+        "atomic-bound, tune BLOCK_D / stages of the recompute.",
+        "Profile one forward launch (ncu --set full) for achieved occupancy and the epilogue's share.",
+    ]
+    payload = {"env": close_env(env, started), "shape": dict(N=N, D=D, V=V, dtype="bf16"), "gpus": GPUS,
+               "assumptions": ASSUMPTIONS, "kernels": rows, "schedules": sched, "reading": reading, "plan": plan}
+    save_results("gpu_model", payload, render, lambda p, path: None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Knowledge distillation from two heads in token chunks: pure PyTorch, any device.
+
+Per token chunk both heads' logits are formed (transposed, ``[V_local, n]`` float32, as in
+:mod:`cce_dist.torch_impl`), never a ``[N, V]`` block. Two passes over the chunk's logits:
+
+1. row statistics (:mod:`cce_dist.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
+   logits, the teacher's soft logits and, with a hard-label term, the student's logits at T=1,
+   stacked ``[k * n, NUM_STATS]`` and combined over the group by ``reduce_stats``
+   (:meth:`cce_dist.parallel.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global lse's;
+2. with the global lse's every element's ``log p`` is known, so the divergence's per-row sums
+   (and the one auxiliary sum its gradient needs) are plain sums over vocab entries, combined by
+   ``reduce_rows`` (:meth:`cce_dist.parallel.Comm.reduce_sum`).
+
+With ``ls = log p_s``, ``lt = log p_t`` (soft: logits / T) the per-row divergences and the
+gradients w.r.t. the student's soft logits ``z_s`` are
+
+- ``kl``          ``D = sum p_t (lt - ls)``;                       ``dD/dz_s = p_s - p_t``
+- ``reverse_kl``  ``D = R = sum p_s (ls - lt)``;                   ``dD/dz_s = p_s (ls - lt - R)``
+- ``jsd``         ``lm = log(beta p_t + (1-beta) p_s)``, ``K = sum p_s (ls - lm)``,
+                  ``D = beta sum p_t (lt - lm) + (1-beta) K``;     ``dD/dz_s = (1-beta) p_s (ls - lm - K)``
+
+(the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
+``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) c_t s_t`` with
+``c = exp(m - lse)``, which lets it run in three blocks), and the hard term ``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw
+logits' gradient is then chained through ``1/T`` and the softcap. Backward (per-row upstream
+gradients) recomputes a chunk from the saved global statistics and rows: no collective but the
+caller's dH reduction.
+
+No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import stats as S
+from .options import DistillationOptions
+from .torch_impl import (
+    _Block,
+    _chunks,
+    _gemm_inputs,
+    _GradAccumulator,
+    _inactive_rows_zeroed,
+    _target_cols,
+    logits_t,
+)
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Heads:
+    """One call's tensors, already cast to each head's compute dtype and flattened.
+
+    hs ``[N, D_s]``, ws ``[V_local, D_s]``, bs ``[V_local]`` or None: the student;
+    ht ``[N, D_t]``, wt ``[V_local, D_t]``, bt: the teacher (same vocab rows as the student);
+    targets ``int64 [N]`` global ids (only read with a hard-label term), valid ``bool [N]``.
+    """
+
+    hs: Tensor
+    ws: Tensor
+    bs: Optional[Tensor]
+    ht: Tensor
+    wt: Tensor
+    bt: Optional[Tensor]
+    targets: Tensor
+    valid: Tensor
+    vocab_start: int
+    opts: DistillationOptions
+
+    def __post_init__(self) -> None:
+        self.hs, self.ws, self.bs, self.round_s = _gemm_inputs(self.hs, self.ws, self.bs)
+        self.ht, self.wt, self.bt, self.round_t = _gemm_inputs(self.ht, self.wt, self.bt)
+
+    @property
+    def n_stats(self) -> int:
+        """Statistics blocks per row: student soft, teacher soft (and student at T=1)."""
+        return 3 if self.opts.hard_label_weight > 0 else 2
+
+    @property
+    def n_rows(self) -> int:
+        """Per-row sums of pass 2: the divergence's (jsd: the teacher part and K)."""
+        return 2 if self.opts.divergence == "jsd" else 1
+
+
+class _Buffers:
+    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl._Block`),
+    made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four."""
+
+    def __init__(self, v_local: int, step: int, device: torch.device):
+        self._args = (v_local, step, device)
+        self._blocks: dict[str, _Block] = {}
+
+    def __getattr__(self, name: str) -> _Block:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._blocks:
+            self._blocks[name] = _Block(*self._args)
+        return self._blocks[name]
+
+
+def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
+    """MAX and SUMEXP of ``z [V, n]`` into ``out [n, NUM_STATS]``; ``z -= max`` in place, ``e = exp(z)``.
+
+    Returns the row max (subtracted from ``z``)."""
+    m = z.amax(0)
+    z.sub_(m)
+    torch.exp(z, out=e)
+    out[:, S.MAX] = m
+    out[:, S.SUMEXP] = e.sum(0)
+    return m
+
+
+def _rows_from(glob: Tensor, rows: Tensor, opts: DistillationOptions) -> Tensor:
+    """The per-row divergence ``float32 [n]`` from the global pass-2 sums ``rows [n, n_rows]``."""
+    if opts.divergence == "jsd":
+        return opts.beta * rows[:, 0] + (1.0 - opts.beta) * rows[:, 1]
+    return rows[:, 0]
+
+
+def chunk(
+    heads: Heads,
+    buf: _Buffers,
+    sl: slice,
+    reduce_stats: Callable[[Tensor], Tensor],
+    reduce_rows: Callable[[Tensor], Tensor],
+    g: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One token chunk: ``(global stats [n, k, NUM_STATS], global rows [n, n_rows], d raw logits)``.
+
+    ``g float32 [n]`` (0 on rows without gradient) asks for the gradient of ``sum_i g_i * loss_i``
+    w.r.t. the student's raw logits, returned as ``float32 [V_local, n]`` (a view of a buffer);
+    None: no gradient. ``reduce_stats`` / ``reduce_rows`` turn this shard's partial statistics
+    and sums into the group's (or return saved ones when recomputing).
+    """
+    o = heads.opts
+    temp = o.temperature
+    n, v = sl.stop - sl.start, heads.ws.shape[0]
+    hard = o.hard_label_weight > 0
+    k = heads.n_stats
+    local = torch.zeros(k, n, S.NUM_STATS, dtype=torch.float32, device=heads.hs.device)
+    local[:, :, S.MAX] = float("-inf")
+    if v == 0:  # an empty shard still joins every collective
+        glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
+        rows = reduce_rows(torch.zeros(n, heads.n_rows, dtype=torch.float32, device=local.device))
+        return glob.transpose(0, 1), rows, None
+    zs, th = logits_t(heads.hs[sl], heads.ws, heads.bs, o.student_softcap, 1.0, buf.zs, heads.round_s)
+    zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
+    pt = buf.pt.view(n)
+    t_rows = t_cols = None
+    if hard:  # the student's logits at T=1: lse1 and the target logit
+        t_rows, t_cols = _target_cols(heads.targets[sl], heads.vocab_start, v)
+        local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
+        m1 = _head_stats(zs, pt, local[2])
+        zs.add_(m1)
+    if temp != 1.0:
+        zs.div_(temp)
+    a = None
+    if o.divergence == "kl":  # three blocks: zs, zt, pt
+        m_s = zs.amax(0)
+        zs.sub_(m_s)
+        m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
+        a = zt.sub_(zs).mul_(pt).sum(0)  # sum e_t (zt - zs), this shard's, relative to its maxima
+        ps = zs.exp_()  # e_s, in place
+        local[0, :, S.MAX] = m_s
+        local[0, :, S.SUMEXP] = ps.sum(0)
+    else:
+        ps = buf.ps.view(n)
+        m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
+        m_t = _head_stats(zt, pt, local[1])
+    s_t_local = local[1, :, S.SUMEXP].clone()
+    glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
+    lse_s, lse_t = S.lse(glob[0]), S.lse(glob[1])
+    c_s, c_t = torch.exp(m_s - lse_s), torch.exp(m_t - lse_t)  # p = exp(z - m) * c
+    gs = wg = p1 = None
+    if g is not None:
+        gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp)
+        if hard:
+            wg = g * o.hard_label_weight
+            if temp != 1.0:  # p1 = exp(z1 - lse1) with z1 = T * (zs + m_s) = e_s**T * exp(T m_s - lse1); T=1: p_s
+                p1 = torch.pow(ps, temp).mul_(torch.exp(temp * m_s - S.lse(glob[2])))
+    local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
+    if o.divergence == "kl":
+        # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) * c_t * s_t
+        local_rows[:, 0] = c_t * a + ((m_t - lse_t) - (m_s - lse_s)) * (c_t * s_t_local)
+        rows = reduce_rows(local_rows)
+        if g is None:
+            return glob.transpose(0, 1), rows, None
+        # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
+        a_s = c_s * (gs + wg) if (wg is not None and p1 is None) else c_s * gs
+        dz = ps.mul_(a_s).addcmul_(pt, -(c_t * gs))
+    else:
+        zs.sub_(lse_s - m_s)  # log p_s
+        ps.mul_(c_s)  # p_s
+        zt.sub_(lse_t - m_t)
+        pt.mul_(c_t)
+        if o.divergence == "reverse_kl":
+            zs.sub_(zt)  # log p_s - log p_t
+            local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
+            rows = reduce_rows(local_rows)
+            dz = zs.sub_(rows[:, 0]).mul_(ps) if g is not None else None
+        else:
+            lb, l1b = math.log(o.beta), math.log1p(-o.beta)
+            lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
+            zs.sub_(lm).sub_(l1b)  # log p_s - log M
+            zt.sub_(lm).sub_(lb)  # log p_t - log M
+            local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
+            local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
+            del lm
+            rows = reduce_rows(local_rows)
+            dz = zs.sub_(rows[:, 1]).mul_(ps) if g is not None else None
+        if g is None:
+            return glob.transpose(0, 1), rows, None
+        dz.mul_(gs)
+        if wg is not None and p1 is None:
+            p1 = ps
+    if p1 is not None:
+        dz.addcmul_(p1, wg)
+    if wg is not None:
+        dz[t_rows, t_cols] -= wg[t_cols]
+    if th is not None:
+        dz.mul_(th.square_().neg_().add_(1.0))
+    return glob.transpose(0, 1), rows, dz
+
+
+def loss_rows(heads: Heads, glob: Tensor, rows: Tensor, sl: slice) -> Tensor:
+    """Per-row loss ``float32 [n]`` (0 where not valid) from a chunk's global stats and rows."""
+    o = heads.opts
+    loss = o.soft_scale * _rows_from(glob, rows, o)
+    if o.hard_label_weight > 0:
+        loss = loss + o.hard_label_weight * (S.lse(glob[:, 2]) - glob[:, 2, S.TARGET])
+    return torch.where(heads.valid[sl], loss, torch.zeros_like(loss))
+
+
+def _accumulate(acc: _GradAccumulator, heads: Heads, dz: Tensor, g: Tensor, sl: slice) -> None:
+    inactive = torch.nonzero(g == 0, as_tuple=True)[0]
+    if inactive.numel():  # exactly zero, even where a row's logits are not finite
+        dz.index_fill_(1, inactive, 0.0)
+    acc.add(dz, _inactive_rows_zeroed(heads.hs[sl], inactive), heads.ws, sl)
+
+
+def forward(
+    heads: Heads,
+    step: int,
+    reduce_stats: Callable[[Tensor], Tensor],
+    reduce_rows: Callable[[Tensor], Tensor],
+    row_grad: Optional[float] = None,
+    need: tuple[bool, bool, bool] = (False, False, False),
+):
+    """All chunks: ``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``.
+
+    ``row_grad`` (the scalar-loss schedule): also the student's gradients (float32, ``need`` =
+    hidden, weight, bias) of ``row_grad * sum_i loss_i`` over valid rows, formed from the held
+    logits. ``step`` tokens per chunk must be the same on every rank of a group.
+    """
+    n = heads.hs.shape[0]
+    dev = heads.hs.device
+    loss = torch.zeros(n, dtype=torch.float32, device=dev)
+    stats = torch.empty(n, heads.n_stats, S.NUM_STATS, dtype=torch.float32, device=dev)
+    rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=dev)
+    grads = row_grad is not None and any(need)
+    acc = _GradAccumulator(heads.hs, heads.ws, *need) if grads else None
+    buf = _Buffers(heads.ws.shape[0], min(step, max(n, 1)), dev)
+    for sl in _chunks(n, step):
+        g = None
+        if grads:
+            g = torch.where(heads.valid[sl], row_grad, 0.0).float()
+        glob, r, dz = chunk(heads, buf, sl, reduce_stats, reduce_rows, g)
+        stats[sl], rows[sl] = glob, r
+        loss[sl] = loss_rows(heads, glob, r, sl)
+        if dz is not None and bool(g.any()):
+            _accumulate(acc, heads, dz, g, sl)
+    out = acc.result() if acc is not None else (None, None, None)
+    return (loss, stats, rows) + tuple(out)
+
+
+def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
+    """The student's float32 gradients ``(dh partial, dw, db)`` of ``sum_i g_i * loss_i`` (no collective):
+    each chunk is recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`."""
+    acc = _GradAccumulator(heads.hs, heads.ws, *need)
+    n = heads.hs.shape[0]
+    if n == 0 or heads.ws.shape[0] == 0:
+        return acc.result()
+    g = torch.where(heads.valid, g.float(), torch.zeros_like(g, dtype=torch.float32))
+    buf = _Buffers(heads.ws.shape[0], min(step, n), heads.hs.device)
+    for sl in _chunks(n, step):
+        gc = g[sl]
+        if not bool(gc.any()):
+            continue
+        saved_stats = stats[sl].transpose(0, 1).reshape(-1, S.NUM_STATS)  # the [k * n, NUM_STATS] of forward
+        _, _, dz = chunk(heads, buf, sl, lambda _, s=saved_stats: s, lambda _, r=rows[sl]: r, gc)
+        _accumulate(acc, heads, dz, gc, sl)
+    return acc.result()

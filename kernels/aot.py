@@ -1,0 +1,255 @@
+"""Ahead-of-time compilation of the cce_dist kernels for GPU targets this machine does not have.
+
+A launch on a real device goes: launcher (``forward.plan`` / ``backward.plan``) -> the
+JITFunction's binder (``specialize_impl`` per argument: dtype, int/float type, the 16-byte
+divisibility of pointers and ints, ints equal to 1 turned into constexprs) -> ``_pack_args`` ->
+``triton.compile``. :func:`compile_launch` runs that same path with the backend of an explicit
+``GPUTarget``, on the arguments the launcher builds for ``meta`` tensors of the target shape
+(fresh allocations: a meta tensor's data_ptr is 0, i.e. aligned like any CUDA allocation).
+So the compiled kernel is the one a launch would compile; no signature is written by hand.
+
+Needs the real compiler: import this with ``TRITON_INTERPRET`` unset. Results (shared memory,
+registers, spills from ``cuobjdump --dump-resource-usage``, which MMA instructions the PTX uses)
+are cached as JSON next to Triton's own cache, keyed by Triton's kernel hash (source, options,
+target, Triton version), so an unchanged kernel is never recompiled or re-inspected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton._C.libtriton import get_cache_invalidating_env_vars
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.cache import get_cache_key
+from triton.runtime.jit import create_function_from_signature
+
+from . import backward as _bwd
+from . import config as _config
+from . import forward as _fwd
+
+__all__ = ["Compiled", "backward_launches", "cache_dir", "compile_launch", "forward_launches"]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$CCE_DIST_AOT_CACHE`` or ``~/.cache/cce_dist/aot``."""
+    d = os.environ.get("CCE_DIST_AOT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "cce_dist", "aot")
+    Path(d).mkdir(parents=True, exist_ok=True)
+    return Path(d)
+
+
+@dataclass
+class Compiled:
+    """What the compiler made of one launch."""
+
+    kernel: str
+    arch: int              # 80, 86, 90, 100, 120
+    hash: str              # Triton's kernel hash
+    num_warps: int
+    num_stages: int
+    shared: int            # bytes of dynamic shared memory the launch requests
+    registers: int         # per thread
+    stack: int             # bytes of local stack per thread (spills and local arrays)
+    local: int             # bytes of local memory per thread besides the stack
+    mma: list[str]         # matrix instructions in the PTX: 'wgmma', 'tcgen05', 'mma'
+    atomics: int           # atom/red instructions in the PTX (static count)
+    constexprs: dict
+    dtype: str = ""        # element type of the hidden states ('bf16', 'fp16', 'fp32')
+
+    @property
+    def spill(self) -> int:
+        return self.stack + self.local
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(path)
+    vals = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+    return {"registers": vals["REG"], "stack": vals["STACK"], "local": vals["LOCAL"], "static_shared": vals["SHARED"]}
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
+    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` as the JIT launcher would."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kwargs = dict(kwargs)
+    kwargs.setdefault("debug", bool(kernel.debug))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    # Same key Triton's own cache uses (source, backend, options, env): look before compiling.
+    key = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars()).encode()).hexdigest()
+    name = kernel.fn.__name__
+    meta_path = cache_dir() / f"{name}-sm{arch}-r2-{key[:40]}.json"  # r2: record format
+    if meta_path.exists():
+        return Compiled(**json.loads(meta_path.read_text()))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
+    ck = triton.compile(src, target=target, options=options.__dict__)
+    ptx = ck.asm["ptx"]
+    ru = _resource_usage(ck.asm["cubin"])
+    mma = [m for m, pat in (("wgmma", r"\bwgmma\."), ("tcgen05", r"\btcgen05\.mma"), ("mma", r"\bmma\.sync"))
+           if re.search(pat, ptx)]
+    res = Compiled(
+        kernel=name, arch=arch, hash=ck.hash, num_warps=ck.metadata.num_warps,
+        num_stages=ck.metadata.num_stages, shared=int(ck.metadata.shared),
+        registers=ru["registers"], stack=ru["stack"], local=ru["local"], mma=mma,
+        atomics=len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.MULTILINE)),
+        constexprs={str(k): (v if isinstance(v, (int, float, str, bool)) else str(v))
+                    for k, v in kwargs.items() if k.isupper()},
+        dtype=str(signature.get("H", "")).lstrip("*"),
+    )
+    meta_path.write_text(json.dumps(asdict(res)))
+    return res
+
+
+def _meta_inputs(n: int, d: int, v: int, dtype: torch.dtype, bias: bool):
+    m = dict(device="meta")
+    h = torch.empty(n, d, dtype=dtype, **m)
+    w = torch.empty(v, d, dtype=dtype, **m)
+    b = torch.empty(v, dtype=dtype, **m) if bias else None
+    t = torch.empty(n, dtype=torch.int64, **m)
+    return h, w, b, t
+
+
+def forward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: int, v: int, *,
+                     bias=False, softcap=None, temperature=None, tf32=True):
+    """``[(kernel, grid, args, kwargs)]``: one per forward config the autotuner may pick on ``props``."""
+    h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
+    args, flags, configs, splits_of, _out = _fwd.plan(h, w, b, t, vocab_start=0, softcap=softcap,
+                                                     temperature=temperature, props=props, allow_tf32=tf32)
+    out = []
+    for c in configs:
+        kw = dict(flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, num_warps=c.num_warps,
+                  num_stages=c.num_stages)
+        out.append((_fwd._row_stats_kernel, (triton.cdiv(n, c.block_n), splits_of(c)), args, kw))
+    return out
+
+
+def backward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: int, v: int, *,
+                      bias=False, softcap=None, temperature=None, filter_eps=None, deterministic=False,
+                      tf32=True, need_bias=True, schedule="tiles"):
+    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed)."""
+    h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
+    lse = torch.empty(n, dtype=torch.float32, device="meta")
+    coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
+    *_outs, launches = _bwd.plan(h, w, b, t, lse, coef, vocab_start=0, softcap=softcap, temperature=temperature,
+                                 need_hidden=True, need_weight=True, need_bias=need_bias, filter_eps=filter_eps,
+                                 deterministic=deterministic, props=props, allow_tf32=tf32, _schedule=schedule)
+    return launches
+
+
+#: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
+PAPER_SHAPE = (8192, 2304, 256000)
+#: A shape with nothing divisible by 16 (the launcher then specializes without alignment hints).
+RAGGED_SHAPE = (8191, 2303, 32001)
+
+#: (name, dtype, tf32) of the compute modes: fp32 runs with TF32 matmuls or exactly (IEEE).
+DTYPES = [("bf16", torch.bfloat16, True), ("fp16", torch.float16, True),
+          ("tf32", torch.float32, True), ("fp32", torch.float32, False)]
+
+_FLAGS = {
+    "plain": dict(),
+    "bias+softcap+temp": dict(bias=True, softcap=30.0, temperature=0.7),
+    "filter": dict(filter_eps=2.0 ** -12),
+    "filter+softcap+bias": dict(bias=True, softcap=30.0, filter_eps=2.0 ** -12),
+}
+
+
+def matrix(props: _config.DeviceProps):
+    """The launches the AOT test compiles for ``props``: ``[(label, kernel, args, kwargs)]``.
+
+    At the paper shape: every forward candidate and every backward config the library can select
+    on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
+    sampled so that each selectable config and each kernel appears: bf16 gets all four backward
+    flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
+    and IEEE fp32 one each; plus the ragged shape once (no divisibility hints)."""
+    n, d, v = PAPER_SHAPE
+    out = []
+
+    def add(label, launches):
+        for kernel, _grid, args, kwargs in launches:
+            out.append((f"{label}/{kernel.fn.__name__}", kernel, args, kwargs))
+
+    heavy = "filter+softcap+bias"
+    for name, dtype, tf32 in DTYPES:
+        fwd = forward_launches(props, dtype, n, d, v, tf32=tf32)
+        add(f"{name}/plain/fwd", fwd if name != "fp16" else fwd[:1])
+        if name == "bf16":
+            fl = _FLAGS["bias+softcap+temp"]
+            add(f"{name}/bias+softcap+temp/fwd", forward_launches(
+                props, dtype, n, d, v, bias=True, softcap=fl["softcap"], temperature=fl["temperature"])[:1])
+        fused = {"bf16": list(_FLAGS), "tf32": ["plain", heavy], "fp16": ["plain"], "fp32": ["plain"]}[name]
+        det = {"bf16": ["plain", heavy], "tf32": [heavy], "fp16": [], "fp32": [heavy]}[name]
+        for fname in fused:
+            add(f"{name}/{fname}/bwd", backward_launches(props, dtype, n, d, v, tf32=tf32, **_FLAGS[fname]))
+        for fname in det:
+            add(f"{name}/{fname}/bwd-det", backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True,
+                                                             **_FLAGS[fname]))
+        if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
+            add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
+    n, d, v = RAGGED_SHAPE
+    add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
+    add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))
+    return out
+
+
+def main(argv=None) -> None:
+    """``python -m cce_dist.kernels.aot --target sm_90 --json out.json``: compile the matrix for
+    one target and write ``[{label, ok, error, **Compiled}]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--target", required=True, choices=sorted(_config.KNOWN_DEVICES))
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    a = ap.parse_args(argv)
+    props = _config.KNOWN_DEVICES[a.target]
+    arch = props.capability[0] * 10 + props.capability[1]
+    cases = matrix(props)
+    if a.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(a.jobs) as ex:
+            rows = list(ex.map(_compile_row, [(a.target, i) for i in range(len(cases))]))
+    else:
+        rows = [_compile_case(c, arch) for c in cases]
+    Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+def _compile_row(job) -> dict:
+    target, i = job
+    props = _config.KNOWN_DEVICES[target]
+    return _compile_case(matrix(props)[i], props.capability[0] * 10 + props.capability[1])
+
+
+def _compile_case(case, arch: int) -> dict:
+    label, kernel, args, kwargs = case
+    try:
+        return dict(label=label, ok=True, error="", **asdict(compile_launch(kernel, args, kwargs, arch)))
+    except Exception as e:  # noqa: BLE001 - reported (and failed) by the test
+        return dict(label=label, ok=False, error=f"{type(e).__name__}: {e}"[:2000], kernel=kernel.fn.__name__,
+                    arch=arch, constexprs={k: str(v) for k, v in kwargs.items() if k.isupper()})
+
+
+if __name__ == "__main__":
+    main()
