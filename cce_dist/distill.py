@@ -9,14 +9,13 @@ tensors hold this rank's slice of the first dimension and ``targets`` the whole 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
 
 import torch
 
-from .prepare import check_target_range, compute_dtype, grad_needs
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
 from .options import DistillationOptions, Divergence, Impl, Reduction
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
+from .prepare import check_target_range, compute_dtype, grad_needs
 from .torch_impl import chunk_tokens
 
 Tensor = torch.Tensor
@@ -73,7 +72,7 @@ def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
                          f"got {tuple(targets.shape)}")
 
 
-def _token_shape(hidden: Tensor, shard: Optional[VocabShard]) -> tuple:
+def _token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple:
     shape = tuple(hidden.shape[:-1])
     if shard is not None and shard.sequence_parallel and shard.world_size > 1:
         shape = (shape[0] * shard.world_size,) + shape[1:]
@@ -82,7 +81,7 @@ def _token_shape(hidden: Tensor, shard: Optional[VocabShard]) -> tuple:
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     shard = opts.shard
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     t = None
     try:
         _check(sh, sw, th, tw, targets, sb, tb, opts)
@@ -152,7 +151,7 @@ def linear_distillation(
     student_weight: Tensor,
     teacher_hidden: Tensor,
     teacher_weight: Tensor,
-    targets: Optional[Tensor] = None,
+    targets: Tensor | None = None,
     *,
     divergence: Divergence = "kl",
     beta: float = 0.5,
@@ -161,13 +160,13 @@ def linear_distillation(
     hard_label_weight: float = 0.0,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
-    student_bias: Optional[Tensor] = None,
-    teacher_bias: Optional[Tensor] = None,
-    softcap: Union[None, float, tuple] = None,
-    shard: Optional[VocabShard] = None,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    softcap: None | float | tuple = None,
+    shard: VocabShard | None = None,
     impl: Impl = "auto",
-    chunk_size: Optional[int] = None,
-    grad_in_forward: Optional[bool] = None,
+    chunk_size: int | None = None,
+    grad_in_forward: bool | None = None,
 ):
     """Distillation loss between a teacher's and a student's next-token distributions, from hidden states.
 

@@ -11,7 +11,6 @@ The teacher's tensors arrive detached: they never receive a gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ class DistillPlan:
     step: int  # tokens per chunk, identical on every rank of a group
 
 
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 

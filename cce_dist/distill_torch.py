@@ -32,8 +32,8 @@ No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` pass
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -63,10 +63,10 @@ class Heads:
 
     hs: Tensor
     ws: Tensor
-    bs: Optional[Tensor]
+    bs: Tensor | None
     ht: Tensor
     wt: Tensor
-    bt: Optional[Tensor]
+    bt: Tensor | None
     targets: Tensor
     valid: Tensor
     vocab_start: int
@@ -128,8 +128,8 @@ def chunk(
     sl: slice,
     reduce_stats: Callable[[Tensor], Tensor],
     reduce_rows: Callable[[Tensor], Tensor],
-    g: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    g: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """One token chunk: ``(global stats [n, k, NUM_STATS], global rows [n, n_rows], d raw logits)``.
 
     ``g float32 [n]`` (0 on rows without gradient) asks for the gradient of ``sum_i g_i * loss_i``
@@ -248,7 +248,7 @@ def forward(
     step: int,
     reduce_stats: Callable[[Tensor], Tensor],
     reduce_rows: Callable[[Tensor], Tensor],
-    row_grad: Optional[float] = None,
+    row_grad: float | None = None,
     need: tuple[bool, bool, bool] = (False, False, False),
 ):
     """All chunks: ``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``.

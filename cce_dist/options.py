@@ -205,11 +205,11 @@ class DistillationOptions:
     hard_label_weight: float = 0.0
     ignore_index: int = -100
     reduction: Reduction = "mean"
-    softcap: Union[None, float, tuple] = None
-    shard: Optional["VocabShard"] = None
+    softcap: float | tuple | None = None
+    shard: VocabShard | None = None
     impl: Impl = "auto"
-    chunk_size: Optional[int] = None
-    grad_in_forward: Optional[bool] = None
+    chunk_size: int | None = None
+    grad_in_forward: bool | None = None
 
     def __post_init__(self) -> None:
         if self.divergence not in DIVERGENCES:
@@ -254,11 +254,13 @@ class DistillationOptions:
                 raise TypeError(f"shard must be a cce_dist.VocabShard or None, got {type(self.shard).__name__}")
 
     @property
-    def student_softcap(self) -> Optional[float]:
+    def student_softcap(self) -> float | None:
+        assert isinstance(self.softcap, tuple)  # normalized to (student, teacher) by __post_init__
         return self.softcap[0]
 
     @property
-    def teacher_softcap(self) -> Optional[float]:
+    def teacher_softcap(self) -> float | None:
+        assert isinstance(self.softcap, tuple)  # normalized to (student, teacher) by __post_init__
         return self.softcap[1]
 
     @property
