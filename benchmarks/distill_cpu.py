@@ -77,6 +77,7 @@ def make_step(name, hs, ws, ht, wt):
 
     divergence, kind = VARIANTS[name]
     if kind == "materialized":
+
         def loss():
             return materialized_loss(divergence, hs, ws, ht, wt)
     else:
@@ -116,8 +117,14 @@ def run_child(spec: dict, timeout: float = 1800) -> dict:
     """``python -m benchmarks.distill_cpu --child '<spec>'`` in a fresh process; its last JSON line."""
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
-    p = subprocess.run([sys.executable, "-m", "benchmarks.distill_cpu", "--child", json.dumps(spec)], cwd=C.REPO,
-                       capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "benchmarks.distill_cpu", "--child", json.dumps(spec)],
+        cwd=C.REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"child {spec} failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
     for line in reversed(p.stdout.strip().splitlines()):
@@ -136,8 +143,9 @@ def check_numbers(log) -> dict:
         divergence = VARIANTS[name][0]
         kw = dict(beta=BETA, scale_by_temperature_squared=False) if divergence == "jsd" else {}
         with torch.no_grad():
-            a = float(cce_dist.linear_distillation(hs, ws, ht, wt, divergence=divergence, temperature=TEMPERATURE,
-                                                   **kw))
+            a = float(
+                cce_dist.linear_distillation(hs, ws, ht, wt, divergence=divergence, temperature=TEMPERATURE, **kw)
+            )
             b = float(materialized_loss(divergence, hs, ws, ht, wt))
         out[name] = {"cce": a, "materialized": b, "rel_diff": abs(a - b) / abs(b)}
         log(f"  same loss {name}: {a:.7f} vs {ref} {b:.7f}")
@@ -161,8 +169,12 @@ def main() -> None:
     started = time.perf_counter()
     log = C.logger("distill_cpu")
     env = C.env_info(mode="quick" if args.quick else "full", repeats=repeats)
-    payload: dict = {"env": env, "shape": {"N": n, "D_student": ds, "D_teacher": dt, "V": v, "dtype": "float32"},
-                     "temperature": TEMPERATURE, "beta": BETA}
+    payload: dict = {
+        "env": env,
+        "shape": {"N": n, "D_student": ds, "D_teacher": dt, "V": v, "dtype": "float32"},
+        "temperature": TEMPERATURE,
+        "beta": BETA,
+    }
     payload["same_loss"] = check_numbers(log)
     hs, ws, ht, wt = make_inputs(n, ds, dt, v)
     fns = {name: make_step(name, hs, ws, ht, wt) for name in VARIANTS}
@@ -173,8 +185,10 @@ def main() -> None:
     for name in VARIANTS:
         spec = {"variant": name, "N": n, "DS": ds, "DT": dt, "V": v}
         mem = run_child(spec)
-        log(f"  memory {name}: growth {C.mib(mem['growth_bytes'])} MiB "
-            f"(minus grads {C.mib(mem['growth_bytes'] - mem['grad_bytes'])} MiB)")
+        log(
+            f"  memory {name}: growth {C.mib(mem['growth_bytes'])} MiB "
+            f"(minus grads {C.mib(mem['growth_bytes'] - mem['grad_bytes'])} MiB)"
+        )
         rows[name] = {**timing[name], "memory": mem}
     for name, base in BASELINE.items():
         r, b = rows[name], rows[base]
@@ -184,7 +198,8 @@ def main() -> None:
         m, bm = r["memory"], b["memory"]
         r["mem_ratio"] = m["growth_bytes"] / bm["growth_bytes"]
         r["mem_ratio_minus_grads"] = (m["growth_bytes"] - m["grad_bytes"]) / max(
-            bm["growth_bytes"] - bm["grad_bytes"], 1)
+            bm["growth_bytes"] - bm["grad_bytes"], 1
+        )
     payload["rows"] = rows
     C.close_env(env, started)
     md = render_markdown(payload)
@@ -197,28 +212,56 @@ def main() -> None:
 
 def render_markdown(p: dict) -> str:
     sh = p["shape"]
-    s = ["# distill_cpu — knowledge distillation from two heads on CPU", "", C.env_markdown(p["env"]), "",
-         f"N={sh['N']}, D_student={sh['D_student']}, D_teacher={sh['D_teacher']}, V={sh['V']}, float32, "
-         f"temperature {p['temperature']}, JSD beta {p['beta']}. Forward + backward (student hidden and weight "
-         "gradients; teacher frozen), median of interleaved repeats after a warm-up. Memory = peak RSS growth above "
-         "the inputs in a fresh process per variant (VmHWM reset after the inputs; one warm-up + one measured step); "
-         "'grads' = bytes of the student's hidden.grad + weight.grad, the unavoidable output.", ""]
-    headers = ["variant", "median s", "CPU s", "time / baseline", "growth MiB", "growth - grads MiB",
-               "(growth - grads) / baseline"]
+    s = [
+        "# distill_cpu — knowledge distillation from two heads on CPU",
+        "",
+        C.env_markdown(p["env"]),
+        "",
+        f"N={sh['N']}, D_student={sh['D_student']}, D_teacher={sh['D_teacher']}, V={sh['V']}, float32, "
+        f"temperature {p['temperature']}, JSD beta {p['beta']}. Forward + backward (student hidden and weight "
+        "gradients; teacher frozen), median of interleaved repeats after a warm-up. Memory = peak RSS growth above "
+        "the inputs in a fresh process per variant (VmHWM reset after the inputs; one warm-up + one measured step); "
+        "'grads' = bytes of the student's hidden.grad + weight.grad, the unavoidable output.",
+        "",
+    ]
+    headers = [
+        "variant",
+        "median s",
+        "CPU s",
+        "time / baseline",
+        "growth MiB",
+        "growth - grads MiB",
+        "(growth - grads) / baseline",
+    ]
     rows = []
     for name, r in p["rows"].items():
         m = r["memory"]
-        rows.append([name, r["median_s"], r["median_cpu_s"], r.get("time_ratio"), C.mib(m["growth_bytes"]),
-                     C.mib(m["growth_bytes"] - m["grad_bytes"]), r.get("mem_ratio_minus_grads")])
+        rows.append(
+            [
+                name,
+                r["median_s"],
+                r["median_cpu_s"],
+                r.get("time_ratio"),
+                C.mib(m["growth_bytes"]),
+                C.mib(m["growth_bytes"] - m["grad_bytes"]),
+                r.get("mem_ratio_minus_grads"),
+            ]
+        )
     s += [C.md_table(headers, rows), "", "## Targets", ""]
     for name, base in BASELINE.items():
         r = p["rows"][name]
         tr, mg = r["time_ratio"], r["mem_ratio_minus_grads"]
-        s.append(f"- {name} vs {base}: time {tr:.2f}x (target <= 1.0: {'**met**' if tr <= 1.0 else '**missed**'}), "
-                 f"memory beyond gradients {mg:.3f} of the baseline's (target <= 0.10: "
-                 f"{'**met**' if mg <= 0.10 else '**missed**'})")
-    s += ["", "Same loss (tiny shape, both programs): " + ", ".join(
-        f"{k} rel. diff {v['rel_diff']:.1e}" for k, v in p["same_loss"].items()), ""]
+        s.append(
+            f"- {name} vs {base}: time {tr:.2f}x (target <= 1.0: {'**met**' if tr <= 1.0 else '**missed**'}), "
+            f"memory beyond gradients {mg:.3f} of the baseline's (target <= 0.10: "
+            f"{'**met**' if mg <= 0.10 else '**missed**'})"
+        )
+    s += [
+        "",
+        "Same loss (tiny shape, both programs): "
+        + ", ".join(f"{k} rel. diff {v['rel_diff']:.1e}" for k, v in p["same_loss"].items()),
+        "",
+    ]
     return "\n".join(s)
 
 

@@ -12,8 +12,8 @@ logits of unrelated tokens spread with std ~3 (a heavy tail of tiny probabilitie
 hidden states pulled towards their target's weight row so the softmax is peaked, at three
 sharpness levels (mean entropy reported). For bf16 (fp32's threshold, 2**-28, skips nothing
 here): the share of tiles the kernel's rule skips (evaluated on the float64 logits with the
-kernel's tile shape), and the largest gradient difference filtered vs exact, next to the exact kernel's own difference from
-the float64 oracle (the dtype's rounding), both relative to the largest gradient entry.
+kernel's tile shape), and the largest gradient difference filtered vs exact, next to the exact
+kernel's own difference from the float64 oracle (the dtype's rounding), both relative to the largest gradient entry.
 
     python -m benchmarks.filter_effect      # -> benchmarks/results/filter_effect.{md,json}
 """
@@ -51,42 +51,83 @@ def _skip_share(logits: torch.Tensor, t: torch.Tensor, eps: float, bn: int, bv: 
     for i in range(0, N, bn):
         for j in range(0, V, bv):
             total += 1
-            tile = p[i:i + bn, j:j + bv]
-            has_target = bool(((t[i:i + bn] >= j) & (t[i:i + bn] < j + bv)).any())
+            tile = p[i : i + bn, j : j + bv]
+            has_target = bool(((t[i : i + bn] >= j) & (t[i : i + bn] < j + bv)).any())
             skipped += int(bool((tile <= eps).all()) and not has_target)
     return skipped / total
 
 
 def render(p: dict) -> str:
     e = p["env"]
-    return "\n".join([
-        f"# Gradient filtering on a peaked distribution (Triton interpreter, N={N}, D={D}, V={V})", "",
-        f"- date {e['date']}, git `{e['git_commit']}`, torch {e['torch']}; `python -m benchmarks.filter_effect`",
-        "- tiles: the interpreter's 16 x 32 backward tiles; errors are max |difference| / max |fp64 gradient|",
-        "", md_table(["distribution", "entropy (nats)", "dtype", "filter_eps", "tiles skipped",
-                      "dH filtered vs exact", "dH exact vs fp64", "dW filtered vs exact", "dW exact vs fp64"],
-                     [[r["distribution"], r["mean_entropy_nats"], r["dtype"], f"{r['filter_eps']:.1e}",
-                       f"{100 * r['tiles_skipped']:.0f}%", f"{r['dh_filtered_vs_exact']:.1e}",
-                       f"{r['dh_exact_vs_fp64']:.1e}", f"{r['dw_filtered_vs_exact']:.1e}",
-                       f"{r['dw_exact_vs_fp64']:.1e}"] for r in p["rows"]]), "",
-        "Share of GPU-sized tiles skipped at N=1024, V=65536 (same distributions; the rule evaluated on "
-        "the float64 logits, mean cross-entropy, tiles holding a target kept):", "",
-        md_table(["distribution", "entropy (nats)", "dtype", "tile", "tiles skipped"],
-                 [[r["distribution"], r["mean_entropy_nats"], r["dtype"], r["tile"],
-                   f"{100 * r['tiles_skipped']:.1f}%"] for r in p.get("skip_at_gpu_tiles", [])]), "",
-        "## Decision: filtering stays opt-in (`filter_eps=None` by default; `\"auto\"` turns it on)", "",
-        "- Benefit: a tile is skipped only if every one of its BLOCK_N x BLOCK_V probabilities is below the "
-        "threshold. At the GPU's tile sizes that happens almost only for near-one-hot rows (table above); "
-        "without vocabulary sorting (Apple CCE sorts) the saving at realistic entropies is small.",
-        "- Cost: where it did skip, the change stayed below bf16's own rounding error (columns 'filtered vs "
-        "exact' and 'exact vs fp64'), but that is not guaranteed: the threshold bounds each dropped p "
-        "relative to the row's coefficient, not relative to the gradient, and a confident token's gradient "
-        "(p - onehot) is itself of the order of the dropped mass. Filtering also selects 64-row tiles "
-        "(spill-free with its epilogue), which issue 1.5x the atomics when little is skipped "
-        "(benchmarks/results/gpu_model.md).",
-        "- Default off keeps the Triton backward equal to the materialized program (and to the torch "
-        "path) within the precision contract. Revisit on the first GPU run with a real model's logits "
-        "(gpu_suite times `cce_dist(filter)`), where the vocabulary's long tail makes skips more likely.", ""])
+    return "\n".join(
+        [
+            f"# Gradient filtering on a peaked distribution (Triton interpreter, N={N}, D={D}, V={V})",
+            "",
+            f"- date {e['date']}, git `{e['git_commit']}`, torch {e['torch']}; `python -m benchmarks.filter_effect`",
+            "- tiles: the interpreter's 16 x 32 backward tiles; errors are max |difference| / max |fp64 gradient|",
+            "",
+            md_table(
+                [
+                    "distribution",
+                    "entropy (nats)",
+                    "dtype",
+                    "filter_eps",
+                    "tiles skipped",
+                    "dH filtered vs exact",
+                    "dH exact vs fp64",
+                    "dW filtered vs exact",
+                    "dW exact vs fp64",
+                ],
+                [
+                    [
+                        r["distribution"],
+                        r["mean_entropy_nats"],
+                        r["dtype"],
+                        f"{r['filter_eps']:.1e}",
+                        f"{100 * r['tiles_skipped']:.0f}%",
+                        f"{r['dh_filtered_vs_exact']:.1e}",
+                        f"{r['dh_exact_vs_fp64']:.1e}",
+                        f"{r['dw_filtered_vs_exact']:.1e}",
+                        f"{r['dw_exact_vs_fp64']:.1e}",
+                    ]
+                    for r in p["rows"]
+                ],
+            ),
+            "",
+            "Share of GPU-sized tiles skipped at N=1024, V=65536 (same distributions; the rule evaluated on "
+            "the float64 logits, mean cross-entropy, tiles holding a target kept):",
+            "",
+            md_table(
+                ["distribution", "entropy (nats)", "dtype", "tile", "tiles skipped"],
+                [
+                    [
+                        r["distribution"],
+                        r["mean_entropy_nats"],
+                        r["dtype"],
+                        r["tile"],
+                        f"{100 * r['tiles_skipped']:.1f}%",
+                    ]
+                    for r in p.get("skip_at_gpu_tiles", [])
+                ],
+            ),
+            "",
+            '## Decision: filtering stays opt-in (`filter_eps=None` by default; `"auto"` turns it on)',
+            "",
+            "- Benefit: a tile is skipped only if every one of its BLOCK_N x BLOCK_V probabilities is below the "
+            "threshold. At the GPU's tile sizes that happens almost only for near-one-hot rows (table above); "
+            "without vocabulary sorting (Apple CCE sorts) the saving at realistic entropies is small.",
+            "- Cost: where it did skip, the change stayed below bf16's own rounding error (columns 'filtered vs "
+            "exact' and 'exact vs fp64'), but that is not guaranteed: the threshold bounds each dropped p "
+            "relative to the row's coefficient, not relative to the gradient, and a confident token's gradient "
+            "(p - onehot) is itself of the order of the dropped mass. Filtering also selects 64-row tiles "
+            "(spill-free with its epilogue), which issue 1.5x the atomics when little is skipped "
+            "(benchmarks/results/gpu_model.md).",
+            "- Default off keeps the Triton backward equal to the materialized program (and to the torch "
+            "path) within the precision contract. Revisit on the first GPU run with a real model's logits "
+            "(gpu_suite times `cce_dist(filter)`), where the vocabulary's long tail makes skips more likely.",
+            "",
+        ]
+    )
 
 
 def skip_rates(tiles=((128, 128), (64, 128)), n: int = 1024, v: int = 65536, d: int = 64) -> list[dict]:
@@ -106,16 +147,21 @@ def skip_rates(tiles=((128, 128), (64, 128)), n: int = 1024, v: int = 65536, d: 
                 small = (p <= eps).reshape(n // bn, bn, v // bv, bv).all(3).all(1)
                 has_t = torch.zeros(n // bn, v // bv, dtype=torch.bool)
                 has_t[torch.arange(n) // bn, t // bv] = True
-                rows.append(dict(distribution=level, mean_entropy_nats=round(entropy, 2),
-                                 dtype=str(dtype).replace("torch.", ""), tile=f"{bn}x{bv}",
-                                 tiles_skipped=float((small & ~has_t).double().mean())))
+                rows.append(
+                    dict(
+                        distribution=level,
+                        mean_entropy_nats=round(entropy, 2),
+                        dtype=str(dtype).replace("torch.", ""),
+                        tile=f"{bn}x{bv}",
+                        tiles_skipped=float((small & ~has_t).double().mean()),
+                    )
+                )
     return rows
 
 
 def main() -> None:
-    from cce_dist.kernels import config as kcfg
-
     import cce_dist
+    from cce_dist.kernels import config as kcfg
 
     started = time.perf_counter()
     env = env_info()
@@ -138,18 +184,26 @@ def main() -> None:
                 grads[mode] = (h.grad.double(), w.grad.double())
             scale_h = float(h_ref.grad.abs().max())
             scale_w = float(w_ref.grad.abs().max())
-            rows.append(dict(
-                distribution=level, mean_entropy_nats=round(entropy, 2), dtype=str(dtype).replace("torch.", ""),
-                filter_eps=eps,
-                tiles_skipped=_skip_share(logits, t, eps, kcfg.INTERPRET_BWD.block_n, kcfg.INTERPRET_BWD.block_v),
-                dh_filtered_vs_exact=float((grads["filtered"][0] - grads["exact"][0]).abs().max()) / scale_h,
-                dh_exact_vs_fp64=float((grads["exact"][0] - h_ref.grad).abs().max()) / scale_h,
-                dw_filtered_vs_exact=float((grads["filtered"][1] - grads["exact"][1]).abs().max()) / scale_w,
-                dw_exact_vs_fp64=float((grads["exact"][1] - w_ref.grad).abs().max()) / scale_w,
-            ))
+            rows.append(
+                dict(
+                    distribution=level,
+                    mean_entropy_nats=round(entropy, 2),
+                    dtype=str(dtype).replace("torch.", ""),
+                    filter_eps=eps,
+                    tiles_skipped=_skip_share(logits, t, eps, kcfg.INTERPRET_BWD.block_n, kcfg.INTERPRET_BWD.block_v),
+                    dh_filtered_vs_exact=float((grads["filtered"][0] - grads["exact"][0]).abs().max()) / scale_h,
+                    dh_exact_vs_fp64=float((grads["exact"][0] - h_ref.grad).abs().max()) / scale_h,
+                    dw_filtered_vs_exact=float((grads["filtered"][1] - grads["exact"][1]).abs().max()) / scale_w,
+                    dw_exact_vs_fp64=float((grads["exact"][1] - w_ref.grad).abs().max()) / scale_w,
+                )
+            )
             print(rows[-1], flush=True)
-    payload = {"env": close_env(env, started), "shape": dict(N=N, D=D, V=V), "rows": rows,
-               "skip_at_gpu_tiles": skip_rates()}
+    payload = {
+        "env": close_env(env, started),
+        "shape": dict(N=N, D=D, V=V),
+        "rows": rows,
+        "skip_at_gpu_tiles": skip_rates(),
+    }
 
     save_results("filter_effect", payload, render, lambda p, path: None)
 

@@ -28,25 +28,39 @@ N, D, V = 8192, 2304, 256_000
 
 #: Device parameters (public datasheets, SXM parts) and modelling assumptions. Units: bytes, s, Hz.
 GPUS = {
-    "H100 SXM": dict(sms=132, clock_hz=1.83e9, peak_bf16=989e12, hbm_bps=3.35e12, l2_bytes=50 << 20,
-                     smem_per_sm=233_472, regs_per_sm=65_536),
-    "H200 SXM": dict(sms=132, clock_hz=1.83e9, peak_bf16=989e12, hbm_bps=4.8e12, l2_bytes=50 << 20,
-                     smem_per_sm=233_472, regs_per_sm=65_536),
+    "H100 SXM": dict(
+        sms=132,
+        clock_hz=1.83e9,
+        peak_bf16=989e12,
+        hbm_bps=3.35e12,
+        l2_bytes=50 << 20,
+        smem_per_sm=233_472,
+        regs_per_sm=65_536,
+    ),
+    "H200 SXM": dict(
+        sms=132,
+        clock_hz=1.83e9,
+        peak_bf16=989e12,
+        hbm_bps=4.8e12,
+        l2_bytes=50 << 20,
+        smem_per_sm=233_472,
+        regs_per_sm=65_536,
+    ),
 }
 ASSUMPTIONS = {
     "peak_bf16": "dense bf16 tensor-core peak, 989 TFLOP/s (132 SMs x 4096 FLOP/clk x 1.83 GHz)",
     "mma_efficiency": "a Triton wgmma main loop reaches 75% of peak with 128x128 (or larger) tiles, 8 warps and "
-                      ">= 3 stages, 65% with 64-row tiles (Triton matmul tutorial figures on H100); scaled by "
-                      "the last wave's fill",
+    ">= 3 stages, 65% with 64-row tiles (Triton matmul tutorial figures on H100); scaled by "
+    "the last wave's fill",
     "mufu": "exp2 / tanh on the SFU at 16 per clock per SM",
     "alu": "fp32 elementwise at 128 per clock per SM; the forward's online-softmax epilogue counts 16 ops per "
-           "logit (+4 with softcap), the backward's dz 14 ops (+4 with softcap, +3 with filtering)",
+    "logit (+4 with softcap), the backward's dz 14 ops (+4 with softcap, +3 with filtering)",
     "epilogue_overlap": "none: Triton 3.9 runs a tile's elementwise epilogue after its K loop (no warp "
-                        "specialization), so elementwise time adds to the MMA time (conservative)",
+    "specialization), so elementwise time adds to the MMA time (conservative)",
     "atomics": "fp32 red.global.add (no return) to distinct L2-resident addresses at 1.5 TB/s of payload on "
-               "H100/H200 (not measured; gpu_suite's atomic microbenchmark measures it on the first run)",
+    "H100/H200 (not measured; gpu_suite's atomic microbenchmark measures it on the first run)",
     "l2": "50 MB L2; a [BLOCK, D] operand tile shared by the programs of one swizzle group is read from HBM once "
-          "per group; outputs larger than L2 are read-modify-written in HBM once per group that updates them",
+    "per group; outputs larger than L2 are read-modify-written in HBM once per group that updates them",
     "hbm": "HBM at 90% of the datasheet bandwidth (3.35 TB/s H100, 4.8 TB/s H200)",
 }
 MMA_EFF_BIG, MMA_EFF_SMALL, HBM_EFF, ATOMIC_BPS = 0.75, 0.65, 0.90, 1.5e12
@@ -62,7 +76,7 @@ import json, sys, torch
 from dataclasses import asdict
 from cce_dist.kernels import aot, config as C
 props = C.KNOWN_DEVICES["sm_90"]
-N, D, V = %d, %d, %d
+N, D, V = (int(x) for x in sys.argv[1:4])
 cases = {
   "forward": aot.forward_launches(props, torch.bfloat16, N, D, V),
   "forward softcap": aot.forward_launches(props, torch.bfloat16, N, D, V, softcap=30.0)[:1],
@@ -79,8 +93,10 @@ for label, launches in cases.items():
         r.update(label=label, grid=list(grid))
         rows.append(r)
 json.dump(rows, sys.stdout)
-""" % (N, D, V)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(N), str(D), str(V)], env=env, capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         sys.exit(out.stderr[-4000:])
     import json
@@ -123,11 +139,18 @@ def model(r: dict, g: dict) -> dict:
         hbm = wbytes + hbytes + programs * 0
         atomic_bytes = 0
     else:
-        per_tile_mma = {"_grads_fused_kernel": 3, "_grads_super_kernel": 3, "_grads_dh_kernel": 2,
-                        "_grads_dw_kernel": 2}[kern]
+        per_tile_mma = {
+            "_grads_fused_kernel": 3,
+            "_grads_super_kernel": 3,
+            "_grads_dh_kernel": 2,
+            "_grads_dw_kernel": 2,
+        }[kern]
         mma_flops = per_tile_mma * 2 * logits * D
-        useful = {"_grads_fused_kernel": 4, "_grads_super_kernel": 4, "_grads_dh_kernel": 2,
-                  "_grads_dw_kernel": 2}[kern] * logits * D
+        useful = (
+            {"_grads_fused_kernel": 4, "_grads_super_kernel": 4, "_grads_dh_kernel": 2, "_grads_dw_kernel": 2}[kern]
+            * logits
+            * D
+        )
         alu = 14 + (4 if softcap else 0) + (3 if filt else 0)
         mufu = 1 + (1 if softcap else 0)
         if kern == "_grads_fused_kernel":
@@ -162,10 +185,21 @@ def model(r: dict, g: dict) -> dict:
     bounds = {"tensor+elementwise": t_mma + t_elem, "hbm": t_hbm, "atomics": t_atomic}
     t = max(bounds.values())
     return dict(
-        programs=programs, blocks_per_sm=blocks, waves=waves, last_wave_fill=round(fill, 3),
-        mma_tflop=mma_flops / 1e12, useful_tflop=useful / 1e12, hbm_gb=hbm / 1e9, atomic_gb=atomic_bytes / 1e9,
-        t_mma_ms=t_mma * 1e3, t_elem_ms=t_elem * 1e3, t_hbm_ms=t_hbm * 1e3, t_atomic_ms=t_atomic * 1e3,
-        est_ms=t * 1e3, bound=max(bounds, key=bounds.get), frac_peak=useful / t / g["peak_bf16"],
+        programs=programs,
+        blocks_per_sm=blocks,
+        waves=waves,
+        last_wave_fill=round(fill, 3),
+        mma_tflop=mma_flops / 1e12,
+        useful_tflop=useful / 1e12,
+        hbm_gb=hbm / 1e9,
+        atomic_gb=atomic_bytes / 1e9,
+        t_mma_ms=t_mma * 1e3,
+        t_elem_ms=t_elem * 1e3,
+        t_hbm_ms=t_hbm * 1e3,
+        t_atomic_ms=t_atomic * 1e3,
+        est_ms=t * 1e3,
+        bound=max(bounds, key=bounds.get),
+        frac_peak=useful / t / g["peak_bf16"],
     )
 
 
@@ -181,54 +215,162 @@ def schedules(g: dict) -> list[dict]:
 
     def add(name, atomics, scratch, grad_frac, hbm_rmw, note):
         t = max(t_recompute + t_grad * grad_frac, atomics / ATOMIC_BPS, hbm_rmw / (g["hbm_bps"] * HBM_EFF))
-        rows.append(dict(schedule=name, atomic_gb=atomics / 1e9, scratch_mb=scratch / 2**20,
-                         est_ms=t * 1e3, frac_peak=grad_flops / t / g["peak_bf16"], note=note))
+        rows.append(
+            dict(
+                schedule=name,
+                atomic_gb=atomics / 1e9,
+                scratch_mb=scratch / 2**20,
+                est_ms=t * 1e3,
+                frac_peak=grad_flops / t / g["peak_bf16"],
+                note=note,
+            )
+        )
 
-    add("per-tile 128x128 (default)", base_atomics, 0, 1.0, 8 * 2 * V * D * 4,
-        "one atomic per output element per tile pair")
-    add("fused 128x256 (Blackwell TMEM acc)", (V // 256 * N * D + N // bn * V * D) * 4, 0, 1.0, 8 * 2 * V * D * 4,
-        "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics")
-    add("2x2 super-tiles (opt-in, _schedule='super')", base_atomics / 2, 132 * 3 * bn * bv * 2, 1.0,
-        4 * 2 * V * D * 4, "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics")
+    add(
+        "per-tile 128x128 (default)",
+        base_atomics,
+        0,
+        1.0,
+        8 * 2 * V * D * 4,
+        "one atomic per output element per tile pair",
+    )
+    add(
+        "fused 128x256 (Blackwell TMEM acc)",
+        (V // 256 * N * D + N // bn * V * D) * 4,
+        0,
+        1.0,
+        8 * 2 * V * D * 4,
+        "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics",
+    )
+    add(
+        "2x2 super-tiles (opt-in, _schedule='super')",
+        base_atomics / 2,
+        132 * 3 * bn * bv * 2,
+        1.0,
+        4 * 2 * V * D * 4,
+        "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics",
+    )
     for f in (0.5, 0.9):
-        add(f"fused + filtering, {int(f * 100)}% tiles skipped", base_atomics * (1 - f), 0, 1 - f,
-            8 * 2 * V * D * 4 * (1 - f), "the skip rate depends on the data (see filter_effect.md)")
-    add("deterministic (owner-computes, load-add-store)", 0, 0, 1.5, 2 * (V // bv * N * D + N // bn * V * D) * 4,
-        "no atomics; each update is an HBM read+write (blocks exceed L2); 4 matmuls")
+        add(
+            f"fused + filtering, {int(f * 100)}% tiles skipped",
+            base_atomics * (1 - f),
+            0,
+            1 - f,
+            8 * 2 * V * D * 4 * (1 - f),
+            "the skip rate depends on the data (see filter_effect.md)",
+        )
+    add(
+        "deterministic (owner-computes, load-add-store)",
+        0,
+        0,
+        1.5,
+        2 * (V // bv * N * D + N // bn * V * D) * 4,
+        "no atomics; each update is an HBM read+write (blocks exceed L2); 4 matmuls",
+    )
     return rows
 
 
 def render(p: dict) -> str:
     e = p["env"]
-    out = [f"# Static GPU model of the cce_dist kernels (N={N}, D={D}, V={V}, bf16)", "",
-           f"- date {e['date']}, git `{e['git_commit']}`, triton {e.get('triton')}, compiled for sm_90 "
-           "(the config the library selects from the H100/H200 device record)",
-           "- Nothing was run on a GPU: registers, spills and shared memory are from the cubins "
-           "(`cuobjdump --dump-resource-usage`); every other figure follows from the assumptions below.", "",
-           "## Assumptions", ""]
+    out = [
+        f"# Static GPU model of the cce_dist kernels (N={N}, D={D}, V={V}, bf16)",
+        "",
+        f"- date {e['date']}, git `{e['git_commit']}`, triton {e.get('triton')}, compiled for sm_90 "
+        "(the config the library selects from the H100/H200 device record)",
+        "- Nothing was run on a GPU: registers, spills and shared memory are from the cubins "
+        "(`cuobjdump --dump-resource-usage`); every other figure follows from the assumptions below.",
+        "",
+        "## Assumptions",
+        "",
+    ]
     out += [f"- **{k}**: {v}" for k, v in p["assumptions"].items()]
     out += ["", "## Compiled kernels (sm_90)", ""]
-    out.append(md_table(
-        ["launch", "kernel", "tile (N x V x D)", "warps/stages", "regs", "spill B", "smem KB", "blocks/SM",
-         "programs", "mma"],
-        [[r["label"], r["kernel"], f"{r['constexprs']['BLOCK_N']}x{r['constexprs']['BLOCK_V']}x"
-          f"{r['constexprs']['BLOCK_D']}", f"{r['num_warps']}/{r['num_stages']}", r["registers"],
-          r["stack"] + r["local"], round(r["shared"] / 1024, 1), r["H100 SXM"]["blocks_per_sm"],
-          r["H100 SXM"]["programs"], ",".join(r["mma"])] for r in p["kernels"]]))
+    out.append(
+        md_table(
+            [
+                "launch",
+                "kernel",
+                "tile (N x V x D)",
+                "warps/stages",
+                "regs",
+                "spill B",
+                "smem KB",
+                "blocks/SM",
+                "programs",
+                "mma",
+            ],
+            [
+                [
+                    r["label"],
+                    r["kernel"],
+                    f"{r['constexprs']['BLOCK_N']}x{r['constexprs']['BLOCK_V']}x{r['constexprs']['BLOCK_D']}",
+                    f"{r['num_warps']}/{r['num_stages']}",
+                    r["registers"],
+                    r["stack"] + r["local"],
+                    round(r["shared"] / 1024, 1),
+                    r["H100 SXM"]["blocks_per_sm"],
+                    r["H100 SXM"]["programs"],
+                    ",".join(r["mma"]),
+                ]
+                for r in p["kernels"]
+            ],
+        )
+    )
     for gname in GPUS:
         out += ["", f"## Estimated time on {gname}", ""]
-        out.append(md_table(
-            ["launch", "kernel", "MMA TFLOP", "HBM GB", "atomic GB", "t_mma ms", "t_elem ms", "t_hbm ms",
-             "t_atomic ms", "est ms", "bound", "% of bf16 peak (useful FLOPs)"],
-            [[r["label"], r["kernel"], round(m["mma_tflop"], 2), round(m["hbm_gb"], 1), round(m["atomic_gb"], 1),
-              round(m["t_mma_ms"], 2), round(m["t_elem_ms"], 2), round(m["t_hbm_ms"], 2), round(m["t_atomic_ms"], 2),
-              round(m["est_ms"], 2), m["bound"], round(100 * m["frac_peak"], 1)]
-             for r in p["kernels"] for m in [r[gname]]]))
+        out.append(
+            md_table(
+                [
+                    "launch",
+                    "kernel",
+                    "MMA TFLOP",
+                    "HBM GB",
+                    "atomic GB",
+                    "t_mma ms",
+                    "t_elem ms",
+                    "t_hbm ms",
+                    "t_atomic ms",
+                    "est ms",
+                    "bound",
+                    "% of bf16 peak (useful FLOPs)",
+                ],
+                [
+                    [
+                        r["label"],
+                        r["kernel"],
+                        round(m["mma_tflop"], 2),
+                        round(m["hbm_gb"], 1),
+                        round(m["atomic_gb"], 1),
+                        round(m["t_mma_ms"], 2),
+                        round(m["t_elem_ms"], 2),
+                        round(m["t_hbm_ms"], 2),
+                        round(m["t_atomic_ms"], 2),
+                        round(m["est_ms"], 2),
+                        m["bound"],
+                        round(100 * m["frac_peak"], 1),
+                    ]
+                    for r in p["kernels"]
+                    for m in [r[gname]]
+                ],
+            )
+        )
         out += ["", f"### Backward schedules on {gname} (atomic traffic vs time)", ""]
-        out.append(md_table(["schedule", "atomic GB", "scratch MB", "est ms", "% of peak", "note"],
-                            [[s["schedule"], round(s["atomic_gb"], 1), round(s["scratch_mb"], 1),
-                              round(s["est_ms"], 1), round(100 * s["frac_peak"], 1), s["note"]]
-                             for s in p["schedules"][gname]]))
+        out.append(
+            md_table(
+                ["schedule", "atomic GB", "scratch MB", "est ms", "% of peak", "note"],
+                [
+                    [
+                        s["schedule"],
+                        round(s["atomic_gb"], 1),
+                        round(s["scratch_mb"], 1),
+                        round(s["est_ms"], 1),
+                        round(100 * s["frac_peak"], 1),
+                        s["note"],
+                    ]
+                    for s in p["schedules"][gname]
+                ],
+            )
+        )
     out += ["", "## Reading", ""] + [f"- {x}" for x in p["reading"]]
     out += ["", "## Plan for the first GPU run", ""] + [f"{i + 1}. {x}" for i, x in enumerate(p["plan"])]
     return "\n".join(out) + "\n"
@@ -275,8 +417,16 @@ def main() -> None:
         "atomic-bound, tune BLOCK_D / stages of the recompute.",
         "Profile one forward launch (ncu --set full) for achieved occupancy and the epilogue's share.",
     ]
-    payload = {"env": close_env(env, started), "shape": dict(N=N, D=D, V=V, dtype="bf16"), "gpus": GPUS,
-               "assumptions": ASSUMPTIONS, "kernels": rows, "schedules": sched, "reading": reading, "plan": plan}
+    payload = {
+        "env": close_env(env, started),
+        "shape": dict(N=N, D=D, V=V, dtype="bf16"),
+        "gpus": GPUS,
+        "assumptions": ASSUMPTIONS,
+        "kernels": rows,
+        "schedules": sched,
+        "reading": reading,
+        "plan": plan,
+    }
     save_results("gpu_model", payload, render, lambda p, path: None)
 
 

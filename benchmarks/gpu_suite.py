@@ -26,7 +26,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +117,7 @@ def bench_one(name: str, fn: Callable, n: int, d: int, v: int, warmup: int, repe
         row["error"] = f"OOM: {e}"[:200]
     finally:
         h.grad = w.grad = None
-        del h, w, t
+        h = w = t = None  # free the inputs (the timing closures hold them) before emptying the cache
         torch.cuda.empty_cache()
     return row
 
@@ -126,6 +126,7 @@ def atomic_throughput(warmup: int, repeats: int) -> list[dict]:
     """fp32 atomic-add payload throughput (GB/s): ``index_add_`` (one atomicAdd per element, rows
     each hit once) into an L2-resident 16 MB buffer and into a 2.36 GB one (the fused backward's
     dW at the paper shape). Replaces the atomic-throughput assumption of benchmarks/gpu_model.py."""
+
     def one(label: str, nrows: int, d: int) -> dict:
         out = torch.zeros(nrows, d, device="cuda")
         src = torch.randn(nrows, d, device="cuda")
@@ -156,8 +157,7 @@ def kernel_times(warmup: int, repeats: int) -> list[dict]:
     coef = torch.zeros(n, NUM_COEFS, device="cuda")  # mean cross-entropy: ALPHA = 1/N, BETA = -1/N
     coef[:, ALPHA] = 1.0 / n
     coef[:, BETA] = -1.0 / n
-    common = dict(vocab_start=0, softcap=None, temperature=None, need_hidden=True, need_weight=True,
-                  need_bias=False)
+    common = dict(vocab_start=0, softcap=None, temperature=None, need_hidden=True, need_weight=True, need_bias=False)
     runs = {
         "forward": lambda: K.row_stats(h, w, None, t, vocab_start=0, softcap=None, temperature=None),
         "backward fused": lambda: K.grads(h, w, None, t, lse, coef, **common),
@@ -179,8 +179,14 @@ def kernel_times(warmup: int, repeats: int) -> list[dict]:
     rows = []
     for name, fn in runs.items():
         ms = _median_ms(fn, warmup, repeats)
-        rows.append({"kernel": name, "measured_ms": ms, "model_ms": model.get(name),
-                     "measured_over_model": ms / model[name] if name in model else None})
+        rows.append(
+            {
+                "kernel": name,
+                "measured_ms": ms,
+                "model_ms": model.get(name),
+                "measured_over_model": ms / model[name] if name in model else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -206,16 +212,27 @@ def env() -> dict:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# GPU suite — {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
-             "", f"{meta['date']}. bf16; FLOPs counted as 6*N*D*V for forward+backward.", "",
-             "| N | D | V | method | fwd ms | bwd ms | fwd+bwd ms | vs apple_cce | TFLOP/s | peak MB | grads MB | overhead MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# GPU suite — {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
+        "",
+        f"{meta['date']}. bf16; FLOPs counted as 6*N*D*V for forward+backward.",
+        "",
+        "| N | D | V | method | fwd ms | bwd ms | fwd+bwd ms | vs apple_cce | TFLOP/s | peak MB | grads MB "
+        "| overhead MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['N']} | {r['D']} | {r['V']} | {r['method']} | {r['error']} |||||||")
             continue
-        ref = next((x for x in rows if x["method"] == "apple_cce" and x["N"] == r["N"] and x["V"] == r["V"]
-                    and "error" not in x), None)
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["method"] == "apple_cce" and x["N"] == r["N"] and x["V"] == r["V"] and "error" not in x
+            ),
+            None,
+        )
         ratio = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}x" if ref else "n/a"
         lines.append(
             f"| {r['N']} | {r['D']} | {r['V']} | {r['method']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "
@@ -225,7 +242,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true")
@@ -255,10 +272,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     md += "\n## fp32 atomic throughput (the model assumes 1.5 TB/s)\n\n| buffer | ms | GB/s |\n|---|---|---|\n"
     md += "".join(f"| {r['buffer']} | {r['ms']:.2f} | {r['gb_per_s']:.0f} |\n" for r in atomics)
     if kernels:
-        md += ("\n## Kernels at the paper shape: measured vs benchmarks/gpu_model.py\n\n"
-               "| kernel | measured ms | model ms | measured / model |\n|---|---|---|---|\n")
-        md += "".join(f"| {r['kernel']} | {r['measured_ms']:.2f} | {r['model_ms'] or float('nan'):.2f} | "
-                      f"{r['measured_over_model'] or float('nan'):.2f} |\n" for r in kernels)
+        md += (
+            "\n## Kernels at the paper shape: measured vs benchmarks/gpu_model.py\n\n"
+            "| kernel | measured ms | model ms | measured / model |\n|---|---|---|---|\n"
+        )
+        md += "".join(
+            f"| {r['kernel']} | {r['measured_ms']:.2f} | {r['model_ms'] or float('nan'):.2f} | "
+            f"{r['measured_over_model'] or float('nan'):.2f} |\n"
+            for r in kernels
+        )
     with open(os.path.join(a.out, "gpu_suite.md"), "w") as f:
         f.write(md)
     print(md)

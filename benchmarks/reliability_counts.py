@@ -91,7 +91,8 @@ def _count(rec: _Recorder) -> dict:
     if numerics is not None:
         items = rec.passed("test_nonfinite_inputs_propagate_like_the_materialized_loss")
         counts["nonfinite_single_process_cases"] = {
-            impl: sum(f"-{impl}]" in n for n in items) for impl in ("torch", "triton")}
+            impl: sum(f"-{impl}]" in n for n in items) for impl in ("torch", "triton")
+        }
     counts["tests"] = {o: sum(v == o for v in rec.outcomes.values()) for o in ("passed", "failed", "skipped")}
     counts["hangs"] = sum("did not finish within" in f for f in rec.failures.values())
     counts["failures"] = rec.failures
@@ -111,8 +112,9 @@ def _markdown(payload: dict) -> str:
         nf = c["nonfinite_single_process_cases"]
         total = sum(nf.values())
         rows.append(("non-finite single-process input cases", f"{total} (torch {nf['torch']}, triton {nf['triton']})"))
-    rows.append(("tests passed / failed / skipped", " / ".join(str(c["tests"][k]) for k in
-                                                              ("passed", "failed", "skipped"))))
+    rows.append(
+        ("tests passed / failed / skipped", " / ".join(str(c["tests"][k]) for k in ("passed", "failed", "skipped")))
+    )
     rows.append(("hangs", c["hangs"]))
     rows.append(("wall time of the whole run", f"{env['run_wall_s']} s"))
     md = [f"# Reliability counts ({payload['command']})", "", md_table(["figure", "count"], rows), ""]
@@ -120,8 +122,12 @@ def _markdown(payload: dict) -> str:
     md += ["Slowest tests (s):", "", md_table(["test", "s"], slow), ""]
     for nodeid, text in c["failures"].items():
         md += [f"## FAILED {nodeid}", "", "```", text, "```", ""]
-    md += ["Environment:", "", f"- fuzz examples per property: {c.get('fuzz_examples_per_property')}",
-           f"- CCE_SLOW: {os.environ.get('CCE_SLOW', '')!r}"]
+    md += [
+        "Environment:",
+        "",
+        f"- fuzz examples per property: {c.get('fuzz_examples_per_property')}",
+        f"- CCE_SLOW: {os.environ.get('CCE_SLOW', '')!r}",
+    ]
     from benchmarks.common import env_markdown
 
     md.append(env_markdown(env))
@@ -130,8 +136,9 @@ def _markdown(payload: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suites", default="fuzz,faults,numerics",
-                    help=f"comma-separated, of {sorted(SUITES)} (default: all three)")
+    ap.add_argument(
+        "--suites", default="fuzz,faults,numerics", help=f"comma-separated, of {sorted(SUITES)} (default: all three)"
+    )
     ap.add_argument("--tag", default=None, help="result file suffix (default: long<N> in long mode, else none)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k torch")
     args = ap.parse_args(argv)
@@ -141,9 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown suite(s) {bad}; choose from {sorted(SUITES)}")
     long = os.environ.get("CCE_FUZZ_EXAMPLES", "")
     tag = args.tag if args.tag is not None else (f"long{long}" if long else "")
-    command = " ".join(filter(None, [f"CCE_FUZZ_EXAMPLES={long}" if long else "",
-                                     "python -m benchmarks.reliability_counts", f"--suites {','.join(suites)}",
-                                     " ".join(args.pytest_args) and "-- " + " ".join(args.pytest_args)]))
+    command = " ".join(
+        filter(
+            None,
+            [
+                f"CCE_FUZZ_EXAMPLES={long}" if long else "",
+                "python -m benchmarks.reliability_counts",
+                f"--suites {','.join(suites)}",
+                " ".join(args.pytest_args) and "-- " + " ".join(args.pytest_args),
+            ],
+        )
+    )
     started = time.perf_counter()
     env = env_info()
     rec = _Recorder()
@@ -152,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     if long and not any(a.startswith("--timeout") for a in extra):
         extra.append("--timeout=0")  # pyproject's 600 s per test would cut a long property short
     rc = pytest.main(["-q", "-p", "no:cacheprovider", *[SUITES[s] for s in suites], *extra], plugins=[rec])
-    payload = {"command": command, "exit_status": int(rc), "counts": _count(rec),
-               "outcomes": rec.outcomes, "durations_s": {k: round(v, 2) for k, v in rec.durations.items()},
-               "env": close_env(env, started)}
+    payload = {
+        "command": command,
+        "exit_status": int(rc),
+        "counts": _count(rec),
+        "outcomes": rec.outcomes,
+        "durations_s": {k: round(v, 2) for k, v in rec.durations.items()},
+        "env": close_env(env, started),
+    }
     name = "reliability_counts" + (f"_{tag}" if tag else "")
     md = _markdown(payload)
     write_results(name, payload, md)

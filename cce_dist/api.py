@@ -24,7 +24,6 @@ from .prepare import (
     Prepared,
     backend_kwargs,
     check_target_range,
-    compute_dtype,
     cross_entropy_result,
     grad_needs,
     is_dtensor,
@@ -37,14 +36,23 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
-
 # ----------------------------------------------------------------------------------------------
 # the eager driver
 # ----------------------------------------------------------------------------------------------
 
 
-def _plan(hidden, weight, targets, bias, opts: CommonOptions, form: str, extra_fp: tuple, *, need_entropy: bool,
-          need_sum: bool) -> tuple[Prepared, Plan]:
+def _plan(
+    hidden,
+    weight,
+    targets,
+    bias,
+    opts: CommonOptions,
+    form: str,
+    extra_fp: tuple,
+    *,
+    need_entropy: bool,
+    need_sum: bool,
+) -> tuple[Prepared, Plan]:
     """Validate (locally, then with the group), flatten and plan: the rows and the :class:`Plan` of one call.
 
     ``need_entropy`` / ``need_sum``: which optional statistics the output form reads (for the backends that can
@@ -71,19 +79,39 @@ def _plan(hidden, weight, targets, bias, opts: CommonOptions, form: str, extra_f
     else:
         layout, rows = _exchange(shard, error, rows, hidden, weight, bias, opts, form, extra_fp, backend.NAME)
 
-    kw = backend_kwargs(backend, chunk_size=opts.chunk_size, need_entropy=need_entropy, need_sum=need_sum,
-                        filter_eps=resolve_filter_eps(opts, rows.compute_dtype), deterministic=opts.deterministic)
+    kw = backend_kwargs(
+        backend,
+        chunk_size=opts.chunk_size,
+        need_entropy=need_entropy,
+        need_sum=need_sum,
+        filter_eps=resolve_filter_eps(opts, rows.compute_dtype),
+        deterministic=opts.deterministic,
+    )
     plan = Plan(
-        backend=backend, compute_dtype=rows.compute_dtype, vocab_start=0 if shard is None else shard.start,
-        vocab_size=layout.vocab_size, comm=Comm(shard, layout), backend_kwargs=kw,
+        backend=backend,
+        compute_dtype=rows.compute_dtype,
+        vocab_start=0 if shard is None else shard.start,
+        vocab_size=layout.vocab_size,
+        comm=Comm(shard, layout),
+        backend_kwargs=kw,
         # from values every rank agreed on, so the fused schedule's per-chunk collectives line up
         fused_chunk_tokens=torch_impl.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
     return rows, plan
 
 
-def _exchange(shard: VocabShard, error: BaseException | None, rows: Prepared | None, hidden, weight, bias,
-              opts: CommonOptions, form: str, extra_fp: tuple, backend_name: str) -> tuple[Layout, Prepared]:
+def _exchange(
+    shard: VocabShard,
+    error: BaseException | None,
+    rows: Prepared | None,
+    hidden,
+    weight,
+    bias,
+    opts: CommonOptions,
+    form: str,
+    extra_fp: tuple,
+    backend_name: str,
+) -> tuple[Layout, Prepared]:
     """A group of more than one rank: the handshake (or, with ``check=False``, the vocab size alone).
 
     Raises this rank's ``error`` after telling the others, so none is left waiting in a collective."""
@@ -93,10 +121,20 @@ def _exchange(shard: VocabShard, error: BaseException | None, rows: Prepared | N
     # Everything that decides which collectives run, and with what sizes, must agree.
     # The resolved implementation too: the torch one forms scalar-loss gradients in forward with one statistics
     # collective per token chunk, the triton one issues a single one.
-    fp = fingerprint(form, extra_fp, opts.ignore_index, opts.softcap, opts.shift, opts.chunk_size,
-                     sp, shard.reduce_hidden_grad, shard.stats_collective,
-                     str(None if rows is None else rows.compute_dtype), grad_needs(hidden, weight, bias),
-                     backend_name)
+    fp = fingerprint(
+        form,
+        extra_fp,
+        opts.ignore_index,
+        opts.softcap,
+        opts.shift,
+        opts.chunk_size,
+        sp,
+        shard.reduce_hidden_grad,
+        shard.stats_collective,
+        str(None if rows is None else rows.compute_dtype),
+        grad_needs(hidden, weight, bias),
+        backend_name,
+    )
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     if not shard.check:
         if error is not None:
@@ -107,9 +145,17 @@ def _exchange(shard: VocabShard, error: BaseException | None, rows: Prepared | N
         # single-device call would, instead of contributing no target logit (loss = lse).
         check_target_range(rows.targets, opts.ignore_index, layout.vocab_size)
         return layout, rows
-    layout = handshake(shard, error, n_tokens=n_tokens, n_local_tokens=n_local,
-                       hidden_dim=hidden.shape[-1] if error is None else 0, options_fp=fp,
-                       targets=None if rows is None else rows.targets, ignore_index=opts.ignore_index, device=device)
+    layout = handshake(
+        shard,
+        error,
+        n_tokens=n_tokens,
+        n_local_tokens=n_local,
+        hidden_dim=hidden.shape[-1] if error is None else 0,
+        options_fp=fp,
+        targets=None if rows is None else rows.targets,
+        ignore_index=opts.ignore_index,
+        device=device,
+    )
     assert rows is not None  # handshake raised this rank's error, if any, on every rank
     return layout, rows
 
@@ -140,15 +186,11 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions) -> 
         return compiled_cross_entropy(hidden, weight, targets, bias, opts)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
-    fused = (
-        opts.reduction != "none"
-        and not opts.return_lse
-        and opts.grad_in_forward is not False
-        and wants_grad
-    )
+    fused = opts.reduction != "none" and not opts.return_lse and opts.grad_in_forward is not False and wants_grad
     extra = (opts.reduction, opts.label_smoothing, opts.z_loss, opts.return_lse, wants_grad, fused)
-    rows, plan = _plan(hidden, weight, targets, bias, opts, "ce", extra, need_entropy=False,
-                       need_sum=bool(opts.label_smoothing))
+    rows, plan = _plan(
+        hidden, weight, targets, bias, opts, "ce", extra, need_entropy=False, need_sum=bool(opts.label_smoothing)
+    )
     if fused and plan.backend.FUSED_CHUNKING:
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     loss_rows, lse = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
@@ -162,8 +204,9 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
         return compiled_logprobs(hidden, weight, targets, bias, opts)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (opts.temperature, opts.return_entropy, any(grad_needs(hidden, weight, bias)))
-    rows, plan = _plan(hidden, weight, targets, bias, opts, "logprob", extra, need_entropy=opts.return_entropy,
-                       need_sum=False)
+    rows, plan = _plan(
+        hidden, weight, targets, bias, opts, "logprob", extra, need_entropy=opts.return_entropy, need_sum=False
+    )
     lp, ent = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     return logprob_result(lp, ent, rows, opts)
 
@@ -177,26 +220,65 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
 # full); the implementation after them documents it.
 @overload
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
-    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
-    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: Literal[False] = ...,
-    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    ignore_index: int = ...,
+    reduction: Reduction = ...,
+    label_smoothing: float = ...,
+    z_loss: float = ...,
+    softcap: float | None = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_lse: Literal[False] = ...,
+    chunk_size: int | None = ...,
+    grad_in_forward: bool | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
 @overload
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
-    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
-    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: Literal[True],
-    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    ignore_index: int = ...,
+    reduction: Reduction = ...,
+    label_smoothing: float = ...,
+    z_loss: float = ...,
+    softcap: float | None = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_lse: Literal[True],
+    chunk_size: int | None = ...,
+    grad_in_forward: bool | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., ignore_index: int = ...,
-    reduction: Reduction = ..., label_smoothing: float = ..., z_loss: float = ..., softcap: float | None = ...,
-    shift: bool | int = ..., shard: VocabShard | None = ..., impl: Impl = ..., return_lse: bool = ...,
-    chunk_size: int | None = ..., grad_in_forward: bool | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    ignore_index: int = ...,
+    reduction: Reduction = ...,
+    label_smoothing: float = ...,
+    z_loss: float = ...,
+    softcap: float | None = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_lse: bool = ...,
+    chunk_size: int | None = ...,
+    grad_in_forward: bool | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
@@ -264,32 +346,75 @@ def linear_cross_entropy(
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
     opts = CrossEntropyOptions(
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, shift=shift, shard=shard, impl=impl, return_lse=return_lse, chunk_size=chunk_size,
-        grad_in_forward=grad_in_forward, filter_eps=filter_eps, deterministic=deterministic,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        shift=shift,
+        shard=shard,
+        impl=impl,
+        return_lse=return_lse,
+        chunk_size=chunk_size,
+        grad_in_forward=grad_in_forward,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
     )
     return _cross_entropy(hidden, weight, targets, bias, opts)
 
 
 @overload
 def linear_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
-    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
-    impl: Impl = ..., return_entropy: Literal[False] = ..., chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    softcap: float | None = ...,
+    temperature: float = ...,
+    ignore_index: int = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_entropy: Literal[False] = ...,
+    chunk_size: int | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
 @overload
 def linear_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
-    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
-    impl: Impl = ..., return_entropy: Literal[True], chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    softcap: float | None = ...,
+    temperature: float = ...,
+    ignore_index: int = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_entropy: Literal[True],
+    chunk_size: int | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def linear_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = ..., softcap: float | None = ...,
-    temperature: float = ..., ignore_index: int = ..., shift: bool | int = ..., shard: VocabShard | None = ...,
-    impl: Impl = ..., return_entropy: bool = ..., chunk_size: int | None = ..., filter_eps: FilterEps = ...,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    softcap: float | None = ...,
+    temperature: float = ...,
+    ignore_index: int = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_entropy: bool = ...,
+    chunk_size: int | None = ...,
+    filter_eps: FilterEps = ...,
     deterministic: bool = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
@@ -330,8 +455,16 @@ def linear_logprobs(
         once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
     opts = LogprobOptions(
-        ignore_index=ignore_index, softcap=softcap, shift=shift, shard=shard, impl=impl, chunk_size=chunk_size,
-        filter_eps=filter_eps, deterministic=deterministic, temperature=temperature, return_entropy=return_entropy,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        shift=shift,
+        shard=shard,
+        impl=impl,
+        chunk_size=chunk_size,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        temperature=temperature,
+        return_entropy=return_entropy,
     )
     return _logprobs(hidden, weight, targets, bias, opts)
 
@@ -354,6 +487,9 @@ class LinearCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         defaults = CrossEntropyOptions()
-        changed = [f"{k}={getattr(self.options, k)!r}" for k in self.options.__dataclass_fields__
-                   if getattr(self.options, k) != getattr(defaults, k)]
+        changed = [
+            f"{k}={getattr(self.options, k)!r}"
+            for k in self.options.__dataclass_fields__
+            if getattr(self.options, k) != getattr(defaults, k)
+        ]
         return ", ".join(changed)

@@ -71,28 +71,67 @@ def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
 
 def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy):
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
-    kw = backend_kwargs(backend, chunk_size=chunk_size, need_entropy=need_entropy, need_sum=True, filter_eps=None,
-                        deterministic=False)
+    kw = backend_kwargs(
+        backend, chunk_size=chunk_size, need_entropy=need_entropy, need_sum=True, filter_eps=None, deterministic=False
+    )
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
-            hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype), targets,
-            vocab_start=0, softcap=softcap, temperature=temperature, **kw["row_stats"],
+            hidden.to(compute_dtype),
+            weight.to(compute_dtype),
+            to_dtype(bias, compute_dtype),
+            targets,
+            vocab_start=0,
+            softcap=softcap,
+            temperature=temperature,
+            **kw["row_stats"],
         )
 
 
-def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, temperature, impl, chunk_size,
-           filter_eps, deterministic, need_hidden, need_weight, need_bias):
+def _grads(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    coef,
+    compute_dtype,
+    softcap,
+    temperature,
+    impl,
+    chunk_size,
+    filter_eps,
+    deterministic,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
     # deterministic: torch.use_deterministic_algorithms is read when the op runs, as eager reads it when the loss is
     # called
-    kw = backend_kwargs(backend, chunk_size=chunk_size, need_entropy=False, need_sum=True, filter_eps=filter_eps,
-                        deterministic=deterministic)
+    kw = backend_kwargs(
+        backend,
+        chunk_size=chunk_size,
+        need_entropy=False,
+        need_sum=True,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+    )
     need_bias = need_bias and bias is not None
     with torch.autocast(hidden.device.type, enabled=False):
         dh, dw, db = backend.grads(
-            hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype), targets, lse, coef,
-            vocab_start=0, softcap=softcap, temperature=temperature, need_hidden=need_hidden,
-            need_weight=need_weight, need_bias=need_bias, **kw["grads"],
+            hidden.to(compute_dtype),
+            weight.to(compute_dtype),
+            to_dtype(bias, compute_dtype),
+            targets,
+            lse,
+            coef,
+            vocab_start=0,
+            softcap=softcap,
+            temperature=temperature,
+            need_hidden=need_hidden,
+            need_weight=need_weight,
+            need_bias=need_bias,
+            **kw["grads"],
         )
     # unused gradients come back as distinct empty tensors (outputs of a custom op must not alias)
     return (
@@ -109,9 +148,19 @@ def _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, tem
 
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())
 def _ce_rows(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None, impl: str,
-    chunk_size: int | None, filter_eps: float | None, deterministic: bool,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    compute_dtype: torch.dtype,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    impl: str,
+    chunk_size: int | None,
+    filter_eps: float | None,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
@@ -122,24 +171,69 @@ def _ce_rows(
 
 
 @_ce_rows.register_fake
-def _(hidden, weight, bias, targets, compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl,
-      chunk_size, filter_eps, deterministic):
+def _(
+    hidden,
+    weight,
+    bias,
+    targets,
+    compute_dtype,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    impl,
+    chunk_size,
+    filter_eps,
+    deterministic,
+):
     n = hidden.shape[0]
     return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
 
 
 @torch.library.custom_op("cce_dist::ce_rows_backward", mutates_args=())
 def _ce_rows_backward(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, g_loss: Tensor,
-    g_lse: Tensor, compute_dtype: torch.dtype, ignore_index: int, label_smoothing: float, z_loss: float,
-    softcap: float | None, impl: str, chunk_size: int | None, filter_eps: float | None, deterministic: bool,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    g_loss: Tensor,
+    g_lse: Tensor,
+    compute_dtype: torch.dtype,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    impl: str,
+    chunk_size: int | None,
+    filter_eps: float | None,
+    deterministic: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
-    coef = formulas.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=label_smoothing, z_loss=z_loss,
-                                vocab_size=weight.shape[0])
-    return _grads(hidden, weight, bias, targets, lse, coef, compute_dtype, softcap, 1.0, impl, chunk_size,
-                  filter_eps, deterministic, need_hidden, need_weight, need_bias)
+    coef = formulas.cross_entropy_coef(
+        lse, valid, g_loss, g_lse, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=weight.shape[0]
+    )
+    return _grads(
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        coef,
+        compute_dtype,
+        softcap,
+        1.0,
+        impl,
+        chunk_size,
+        filter_eps,
+        deterministic,
+        need_hidden,
+        need_weight,
+        need_bias,
+    )
 
 
 def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
@@ -151,8 +245,27 @@ def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
 
 
 @_ce_rows_backward.register_fake
-def _(hidden, weight, bias, targets, lse, g_loss, g_lse, compute_dtype, ignore_index, label_smoothing, z_loss,
-      softcap, impl, chunk_size, filter_eps, deterministic, need_hidden, need_weight, need_bias):
+def _(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    g_loss,
+    g_lse,
+    compute_dtype,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    impl,
+    chunk_size,
+    filter_eps,
+    deterministic,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -188,8 +301,9 @@ def _ce_backward(ctx, g_loss, g_lse):
     needs = needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
-    dh, dw, db = torch.ops.cce_dist.ce_rows_backward(hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args,
-                                                     *needs)
+    dh, dw, db = torch.ops.cce_dist.ce_rows_backward(
+        hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args, *needs
+    )
     return _input_grads(ctx, needs, dh, dw, db)
 
 
@@ -200,43 +314,114 @@ def _ce_backward(ctx, g_loss, g_lse):
 
 @torch.library.custom_op("cce_dist::logprob_rows", mutates_args=())
 def _logprob_rows(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, compute_dtype: torch.dtype,
-    ignore_index: int, softcap: float | None, temperature: float, return_entropy: bool, impl: str,
-    chunk_size: int | None, filter_eps: float | None, deterministic: bool,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    compute_dtype: torch.dtype,
+    ignore_index: int,
+    softcap: float | None,
+    temperature: float,
+    return_entropy: bool,
+    impl: str,
+    chunk_size: int | None,
+    filter_eps: float | None,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     _check_targets(targets, ignore_index, weight.shape[0])
-    stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size,
-                   return_entropy)
+    stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, return_entropy)
     lp, ent = formulas.logprob_rows(stats, targets != ignore_index)
     return lp, ent, stats
 
 
 @_logprob_rows.register_fake
-def _(hidden, weight, bias, targets, compute_dtype, ignore_index, softcap, temperature, return_entropy, impl,
-      chunk_size, filter_eps, deterministic):
+def _(
+    hidden,
+    weight,
+    bias,
+    targets,
+    compute_dtype,
+    ignore_index,
+    softcap,
+    temperature,
+    return_entropy,
+    impl,
+    chunk_size,
+    filter_eps,
+    deterministic,
+):
     n = hidden.shape[0]
     f32 = torch.float32
-    return (hidden.new_empty(n, dtype=f32), hidden.new_empty(n, dtype=f32),
-            hidden.new_empty(n, S.NUM_STATS, dtype=f32))
+    return (hidden.new_empty(n, dtype=f32), hidden.new_empty(n, dtype=f32), hidden.new_empty(n, S.NUM_STATS, dtype=f32))
 
 
 @torch.library.custom_op("cce_dist::logprob_rows_backward", mutates_args=())
 def _logprob_rows_backward(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, stats: Tensor, g_lp: Tensor,
-    g_ent: Tensor, compute_dtype: torch.dtype, ignore_index: int, softcap: float | None, temperature: float,
-    return_entropy: bool, impl: str, chunk_size: int | None, filter_eps: float | None, deterministic: bool,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    stats: Tensor,
+    g_lp: Tensor,
+    g_ent: Tensor,
+    compute_dtype: torch.dtype,
+    ignore_index: int,
+    softcap: float | None,
+    temperature: float,
+    return_entropy: bool,
+    impl: str,
+    chunk_size: int | None,
+    filter_eps: float | None,
+    deterministic: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
     coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if return_entropy else None)
-    return _grads(hidden, weight, bias, targets, S.lse(stats), coef, compute_dtype, softcap, temperature, impl,
-                  chunk_size, filter_eps, deterministic, need_hidden, need_weight, need_bias)
+    return _grads(
+        hidden,
+        weight,
+        bias,
+        targets,
+        S.lse(stats),
+        coef,
+        compute_dtype,
+        softcap,
+        temperature,
+        impl,
+        chunk_size,
+        filter_eps,
+        deterministic,
+        need_hidden,
+        need_weight,
+        need_bias,
+    )
 
 
 @_logprob_rows_backward.register_fake
-def _(hidden, weight, bias, targets, stats, g_lp, g_ent, compute_dtype, ignore_index, softcap, temperature,
-      return_entropy, impl, chunk_size, filter_eps, deterministic, need_hidden, need_weight, need_bias):
+def _(
+    hidden,
+    weight,
+    bias,
+    targets,
+    stats,
+    g_lp,
+    g_ent,
+    compute_dtype,
+    ignore_index,
+    softcap,
+    temperature,
+    return_entropy,
+    impl,
+    chunk_size,
+    filter_eps,
+    deterministic,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -252,8 +437,15 @@ def _lp_backward(ctx, g_lp, g_ent, g_stats):
     needs = needed_input_grads(ctx, bias)
     zeros = stats.new_zeros(stats.shape[0])
     dh, dw, db = torch.ops.cce_dist.logprob_rows_backward(
-        hidden, weight, bias, targets, stats, zeros if g_lp is None else g_lp, zeros if g_ent is None else g_ent,
-        *ctx.args, *needs,
+        hidden,
+        weight,
+        bias,
+        targets,
+        stats,
+        zeros if g_lp is None else g_lp,
+        zeros if g_ent is None else g_ent,
+        *ctx.args,
+        *needs,
     )
     return _input_grads(ctx, needs, dh, dw, db)
 
@@ -289,23 +481,45 @@ def _prepare(hidden, weight, targets, bias, opts) -> tuple[Prepared, tuple[float
     return rows, (None if fe is None else float(fe), bool(opts.deterministic))
 
 
-def compiled_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                           opts: CrossEntropyOptions) -> Tensor | tuple[Tensor, Tensor]:
+def compiled_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: CrossEntropyOptions
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
     loss_rows, lse = torch.ops.cce_dist.ce_rows(
-        rows.hidden, weight, bias, rows.targets, rows.compute_dtype, opts.ignore_index, float(opts.label_smoothing),
-        float(opts.z_loss), opts.softcap, opts.impl, opts.chunk_size, *extra,
+        rows.hidden,
+        weight,
+        bias,
+        rows.targets,
+        rows.compute_dtype,
+        opts.ignore_index,
+        float(opts.label_smoothing),
+        float(opts.z_loss),
+        opts.softcap,
+        opts.impl,
+        opts.chunk_size,
+        *extra,
     )
     return cross_entropy_result(loss_rows, lse, rows, opts)
 
 
-def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                      opts: LogprobOptions) -> Tensor | tuple[Tensor, Tensor]:
+def compiled_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: LogprobOptions
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cce_dist.linear_logprobs` as traceable ops (called by the API under compile)."""
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
     lp, ent, _ = torch.ops.cce_dist.logprob_rows(
-        rows.hidden, weight, bias, rows.targets, rows.compute_dtype, opts.ignore_index, opts.softcap,
-        float(opts.temperature), bool(opts.return_entropy), opts.impl, opts.chunk_size, *extra,
+        rows.hidden,
+        weight,
+        bias,
+        rows.targets,
+        rows.compute_dtype,
+        opts.ignore_index,
+        opts.softcap,
+        float(opts.temperature),
+        bool(opts.return_entropy),
+        opts.impl,
+        opts.chunk_size,
+        *extra,
     )
     return logprob_result(lp, ent, rows, opts)

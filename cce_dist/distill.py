@@ -20,10 +20,17 @@ from .torch_impl import chunk_tokens
 
 Tensor = torch.Tensor
 
+
 def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
     """Local checks (every rank, before any collective); errors name the argument."""
-    named = (("student_hidden", sh), ("student_weight", sw), ("teacher_hidden", th), ("teacher_weight", tw),
-             ("student_bias", sb), ("teacher_bias", tb))
+    named = (
+        ("student_hidden", sh),
+        ("student_weight", sw),
+        ("teacher_hidden", th),
+        ("teacher_weight", tw),
+        ("student_bias", sb),
+        ("teacher_bias", tb),
+    )
     for name, t in named:
         if t is None and name.endswith("bias"):
             continue
@@ -37,27 +44,36 @@ def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
         if w.dim() != 2:
             raise ValueError(f"{who}_weight must be 2-D [V_local, D], got shape {tuple(w.shape)}")
         if h.dim() < 1 or h.shape[-1] != w.shape[1]:
-            raise ValueError(f"{who}_hidden's last dimension ({tuple(h.shape)}) must equal "
-                             f"{who}_weight.shape[1] ({w.shape[1]})")
+            raise ValueError(
+                f"{who}_hidden's last dimension ({tuple(h.shape)}) must equal {who}_weight.shape[1] ({w.shape[1]})"
+            )
         if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[0]):
             raise ValueError(f"{who}_bias must have shape [{w.shape[0]}] ({who}_weight.shape[0]), got {tuple(b.shape)}")
     if tw.shape[0] != sw.shape[0]:
-        raise ValueError(f"teacher_weight.shape[0] ({tw.shape[0]}) must equal student_weight.shape[0] "
-                         f"({sw.shape[0]}): both heads must hold the same vocabulary rows")
+        raise ValueError(
+            f"teacher_weight.shape[0] ({tw.shape[0]}) must equal student_weight.shape[0] "
+            f"({sw.shape[0]}): both heads must hold the same vocabulary rows"
+        )
     if tuple(th.shape[:-1]) != tuple(sh.shape[:-1]):
-        raise ValueError(f"teacher_hidden.shape[:-1] {tuple(th.shape[:-1])} must equal student_hidden.shape[:-1] "
-                         f"{tuple(sh.shape[:-1])} (one teacher row per student row)")
+        raise ValueError(
+            f"teacher_hidden.shape[:-1] {tuple(th.shape[:-1])} must equal student_hidden.shape[:-1] "
+            f"{tuple(sh.shape[:-1])} (one teacher row per student row)"
+        )
     shard = opts.shard
     if shard is not None and sw.shape[0] != shard.local_size:
-        raise ValueError(f"student_weight.shape[0] and teacher_weight.shape[0] ({sw.shape[0]}) must equal the shard "
-                         f"size stop - start = {shard.local_size}")
+        raise ValueError(
+            f"student_weight.shape[0] and teacher_weight.shape[0] ({sw.shape[0]}) must equal the shard "
+            f"size stop - start = {shard.local_size}"
+        )
     sp = shard is not None and shard.sequence_parallel and shard.world_size > 1
     if sp and sh.dim() < 2:
         raise ValueError("sequence_parallel needs student_hidden/teacher_hidden [n/P, ..., D]")
     if targets is None:
         if opts.hard_label_weight > 0:
-            raise ValueError(f"hard_label_weight={opts.hard_label_weight} needs targets (the ids of the CE term); "
-                             "pass targets or hard_label_weight=0")
+            raise ValueError(
+                f"hard_label_weight={opts.hard_label_weight} needs targets (the ids of the CE term); "
+                "pass targets or hard_label_weight=0"
+            )
         return
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor or None, got {type(targets).__name__}")
@@ -67,9 +83,11 @@ def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
         raise ValueError(f"targets is on {targets.device} but student_hidden is on {sh.device}")
     want = _token_shape(sh, shard)
     if tuple(targets.shape) != want:
-        raise ValueError(f"targets must have shape {want} (student_hidden.shape[:-1]"
-                         f"{', times tp_size along dim 0 under sequence parallelism' if sp else ''}), "
-                         f"got {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must have shape {want} (student_hidden.shape[:-1]"
+            f"{', times tp_size along dim 0 under sequence parallelism' if sp else ''}), "
+            f"got {tuple(targets.shape)}"
+        )
 
 
 def _token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple:
@@ -109,20 +127,47 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
         n_tokens = math.prod(shape) if error is None else 0
         n_local = sh.shape[0] if (error is None and sp) else 0
         # Everything that decides which collectives run, and with what sizes, must agree.
-        fp = fingerprint("distill", opts.divergence, opts.beta, opts.temperature, opts.scale_by_temperature_squared,
-                         opts.hard_label_weight, opts.ignore_index, opts.reduction, opts.softcap, opts.chunk_size,
-                         sp, shard.reduce_hidden_grad, shard.stats_collective, str(s_dtype), str(t_dtype),
-                         None if error is not None else th.shape[-1], targets is None, sb is None, tb is None,
-                         grad_needs(sh, sw, sb), fused)
+        fp = fingerprint(
+            "distill",
+            opts.divergence,
+            opts.beta,
+            opts.temperature,
+            opts.scale_by_temperature_squared,
+            opts.hard_label_weight,
+            opts.ignore_index,
+            opts.reduction,
+            opts.softcap,
+            opts.chunk_size,
+            sp,
+            shard.reduce_hidden_grad,
+            shard.stats_collective,
+            str(s_dtype),
+            str(t_dtype),
+            None if error is not None else th.shape[-1],
+            targets is None,
+            sb is None,
+            tb is None,
+            grad_needs(sh, sw, sb),
+            fused,
+        )
         if not shard.check:
             if error is not None:
                 raise error  # documented: without the handshake a rank-local error can strand the others
-            raise ValueError("linear_distillation needs VocabShard(check=True): its handshake checks that every rank "
-                             "holds the same vocabulary rows of both heads")
-        layout = handshake(shard, error, n_tokens=n_tokens, n_local_tokens=n_local,
-                           hidden_dim=sh.shape[-1] if error is None else 0, options_fp=fp, targets=t,
-                           ignore_index=opts.ignore_index,
-                           device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"))
+            raise ValueError(
+                "linear_distillation needs VocabShard(check=True): its handshake checks that every rank "
+                "holds the same vocabulary rows of both heads"
+            )
+        layout = handshake(
+            shard,
+            error,
+            n_tokens=n_tokens,
+            n_local_tokens=n_local,
+            hidden_dim=sh.shape[-1] if error is None else 0,
+            options_fp=fp,
+            targets=t,
+            ignore_index=opts.ignore_index,
+            device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"),
+        )
     assert s_dtype is not None and t_dtype is not None  # an input error was raised above
     n = layout.n_tokens
     if t is None:
@@ -131,9 +176,13 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     else:
         t1 = t.reshape(-1)
         valid = t1 != opts.ignore_index
-    plan = DistillPlan(student_dtype=s_dtype, teacher_dtype=t_dtype, vocab_start=0 if shard is None else shard.start,
-                       comm=Comm(shard, layout),
-                       step=chunk_tokens(n, layout.max_local, opts.chunk_size))
+    plan = DistillPlan(
+        student_dtype=s_dtype,
+        teacher_dtype=t_dtype,
+        vocab_start=0 if shard is None else shard.start,
+        comm=Comm(shard, layout),
+        step=chunk_tokens(n, layout.max_local, opts.chunk_size),
+    )
     h2, th2 = sh.reshape(-1, sh.shape[-1]), th.detach().reshape(-1, th.shape[-1])
     tw, tb = tw.detach(), None if tb is None else tb.detach()
     if fused:
@@ -220,10 +269,19 @@ def linear_distillation(
         in its own dtype.
     """
     opts = DistillationOptions(
-        divergence=divergence, beta=beta, temperature=temperature,
-        scale_by_temperature_squared=scale_by_temperature_squared, hard_label_weight=hard_label_weight,
-        ignore_index=ignore_index, reduction=reduction, softcap=softcap, shard=shard, impl=impl,
-        chunk_size=chunk_size, grad_in_forward=grad_in_forward,
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+        scale_by_temperature_squared=scale_by_temperature_squared,
+        hard_label_weight=hard_label_weight,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        softcap=softcap,
+        shard=shard,
+        impl=impl,
+        chunk_size=chunk_size,
+        grad_in_forward=grad_in_forward,
     )
-    return _distill(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias,
-                    teacher_bias, opts)
+    return _distill(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts
+    )

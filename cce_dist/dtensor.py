@@ -131,4 +131,3 @@ def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
             shard = given
         opts = opts.replace(shard=shard)
     return hidden, weight, targets, bias, opts
-

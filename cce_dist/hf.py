@@ -72,8 +72,9 @@ class _PatchedForward:
 
     __name__ = "forward"
 
-    def __init__(self, model: nn.Module, previous: Any, had_previous: bool, param_names: tuple,
-                 options: dict, eval_logits: bool):
+    def __init__(
+        self, model: nn.Module, previous: Any, had_previous: bool, param_names: tuple, options: dict, eval_logits: bool
+    ):
         self.model = model
         self.previous = previous  # the instance's own ``forward`` attribute before patching (if had_previous)
         self.had_previous = had_previous
@@ -160,8 +161,10 @@ def patch(model: nn.Module, *, eval_logits: bool = True, allow_unlisted: bool = 
     had_previous = "forward" in vars(model)
     original = model.forward
     signature = inspect.signature(original)
-    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()) \
-            or "labels" not in signature.parameters:
+    if (
+        not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+        or "labels" not in signature.parameters
+    ):
         raise TypeError(f"{type(model).__name__}.forward must take labels= and **kwargs to be patched")
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     param_names = []
@@ -169,8 +172,9 @@ def patch(model: nn.Module, *, eval_logits: bool = True, allow_unlisted: bool = 
         if p.kind not in positional:
             break
         param_names.append(p.name)
-    patched = _PatchedForward(model, vars(model).get("forward"), had_previous, tuple(param_names), dict(options),
-                              eval_logits)
+    patched = _PatchedForward(
+        model, vars(model).get("forward"), had_previous, tuple(param_names), dict(options), eval_logits
+    )
     object.__setattr__(model, _STATE_ATTR, patched)
     object.__setattr__(model, "forward", patched)
     return outer
@@ -245,8 +249,10 @@ def _check_head(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         hint = ""
         if hasattr(head, "base_layer") or hasattr(head, "original_module"):
-            hint = (" (it is wrapped by a PEFT adapter: leave lm_head out of the adapter's target_modules and "
-                    "modules_to_save, e.g. LoraConfig(target_modules=[...attention/MLP projections only...]))")
+            hint = (
+                " (it is wrapped by a PEFT adapter: leave lm_head out of the adapter's target_modules and "
+                "modules_to_save, e.g. LoraConfig(target_modules=[...attention/MLP projections only...]))"
+            )
         raise TypeError(
             f"cce_dist.hf.patch: {type(model).__name__}.lm_head must be an nn.Linear, got {type(head).__name__}{hint}"
         )
@@ -257,8 +263,10 @@ def _patched_forward(patched: _PatchedForward, args: tuple, kwargs: dict):
     """The patched forward's body (straight-line: torch.compile(fullgraph=True) traces it)."""
     model = patched.model
     if len(args) > len(patched.param_names):
-        raise TypeError(f"{type(model).__name__}.forward takes at most {len(patched.param_names)} positional "
-                        f"arguments ({len(args)} given)")
+        raise TypeError(
+            f"{type(model).__name__}.forward takes at most {len(patched.param_names)} positional "
+            f"arguments ({len(args)} given)"
+        )
     arguments = dict(kwargs)
     for pname, value in zip(patched.param_names, args):
         if pname in arguments:
@@ -294,9 +302,15 @@ def _patched_forward(patched: _PatchedForward, args: tuple, kwargs: dict):
     else:
         targets, shift = labels, 1
     loss = linear_cross_entropy(
-        hidden, head.weight, targets.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
+        hidden,
+        head.weight,
+        targets.to(hidden.device),
+        bias=head.bias,
+        ignore_index=ignore_index,
         reduction="mean" if num_items_in_batch is None else "sum",
-        softcap=getattr(model.config, "final_logit_softcapping", None), shift=shift, **patched.options,
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+        shift=shift,
+        **patched.options,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -319,5 +333,10 @@ def _output(decoder_outputs, loss, return_dict: bool):
     attentions = getattr(decoder_outputs, "attentions", None)
     if not return_dict:
         return (loss, None) + tuple(x for x in (past, hidden_states, attentions) if x is not None)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=past,  # type: ignore[call-arg]
-                                  hidden_states=hidden_states, attentions=attentions)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=past,  # type: ignore[call-arg]
+        hidden_states=hidden_states,
+        attentions=attentions,
+    )

@@ -27,7 +27,7 @@ import inspect
 import re
 import sys
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def _require_megatron():
         ) from e
 
 
-def _tp_group(layer) -> Optional[dist.ProcessGroup]:
+def _tp_group(layer) -> dist.ProcessGroup | None:
     """The layer's tensor-parallel group: its ``tp_group`` attribute (megatron-core >= 0.13),
     else parallel_state's global TP group (older layers, which always used it)."""
     for name in ("tp_group", "_tp_group"):
@@ -74,8 +74,9 @@ def _tp_group(layer) -> Optional[dist.ProcessGroup]:
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, weight: Optional[Tensor] = None,
-                      **loss_options):
+def output_layer_loss(
+    output_layer, hidden_states: Tensor, labels: Tensor, *, weight: Tensor | None = None, **loss_options
+):
     """Per-token LM loss of a Megatron ``ColumnParallelLinear`` head, without the logits.
 
     Returns what ``compute_language_model_loss(labels, output_layer(hidden_states, weight=weight)[0])``
@@ -150,8 +151,10 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
     elif hasattr(output_layer, "output_size_per_partition") and hasattr(output_layer, "input_size"):
         expected = (output_layer.output_size_per_partition, output_layer.input_size)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"output_layer_loss: supplied weight's shape is {tuple(weight.shape)}, not "
-                             f"{expected} as the layer expects")
+            raise ValueError(
+                f"output_layer_loss: supplied weight's shape is {tuple(weight.shape)}, not "
+                f"{expected} as the layer expects"
+            )
     bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
 
     group = _tp_group(output_layer)
@@ -165,12 +168,20 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
     # layer's forward, so cce_dist does exactly that reduction itself.
     reduce_hidden_grad = sequence_parallel or not getattr(output_layer, "disable_grad_reduce", False)
     v_local = int(weight.shape[0]) if weight.dim() >= 1 else 0
-    shard = VocabShard(group, rank * v_local, (rank + 1) * v_local, sequence_parallel=sequence_parallel,
-                       reduce_hidden_grad=reduce_hidden_grad, **shard_kw)
+    shard = VocabShard(
+        group,
+        rank * v_local,
+        (rank + 1) * v_local,
+        sequence_parallel=sequence_parallel,
+        reduce_hidden_grad=reduce_hidden_grad,
+        **shard_kw,
+    )
 
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        raise ValueError(f"output_layer_loss: labels must be a [b, s] tensor, got "
-                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+        raise ValueError(
+            f"output_layer_loss: labels must be a [b, s] tensor, got "
+            f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
+        )
     shift = loss_options.pop("shift", False)
     shift = int(shift) if isinstance(shift, (bool, int)) else shift
     if not isinstance(shift, int) or shift < 0:
@@ -184,8 +195,9 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
             shifted[:, : labels.shape[1] - shift] = labels[:, shift:]
         labels = shifted
 
-    out = linear_cross_entropy(hidden_states, weight, labels.transpose(0, 1), bias=bias, shard=shard,
-                               reduction="none", **loss_options)
+    out = linear_cross_entropy(
+        hidden_states, weight, labels.transpose(0, 1), bias=bias, shard=shard, reduction="none", **loss_options
+    )
     if isinstance(out, tuple):
         return tuple(t.transpose(0, 1).contiguous() for t in out)
     return out.transpose(0, 1).contiguous()
@@ -199,8 +211,18 @@ def output_layer_loss(output_layer, hidden_states: Tensor, labels: Tensor, *, we
 #: output layer; ``deterministic`` defaults to ``config.deterministic_mode``; ``reduction="none"``,
 #: no ``shift`` (Megatron's labels already are the next tokens; MTP rolls its own) and no
 #: ``return_lse`` (Megatron expects one ``[b, s]`` tensor).
-PATCH_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "softcap", "impl", "chunk_size", "filter_eps",
-                 "deterministic", "stats_collective", "check")
+PATCH_OPTIONS = (
+    "ignore_index",
+    "label_smoothing",
+    "z_loss",
+    "softcap",
+    "impl",
+    "chunk_size",
+    "filter_eps",
+    "deterministic",
+    "stats_collective",
+    "check",
+)
 
 #: The oldest megatron-core release whose GPTModel has the seams :func:`patch` wraps.
 MIN_MEGATRON_VERSION = (0, 12)
@@ -218,7 +240,7 @@ class _DeferredLogits:
 
     __slots__ = ("hidden", "layer", "weight")
 
-    def __init__(self, layer, hidden: Tensor, weight: Optional[Tensor]):
+    def __init__(self, layer, hidden: Tensor, weight: Tensor | None):
         self.layer = layer
         self.hidden = hidden
         self.weight = weight
@@ -312,14 +334,17 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     gate_original = getattr(model, gate_name)
     gate_signature = inspect.signature(gate_original)
     if "labels" not in gate_signature.parameters:
-        raise TypeError(f"cce_dist.megatron.patch: {type(model).__name__}.{gate_name} takes no labels=; this "
-                        "megatron-core version is not supported")
+        raise TypeError(
+            f"cce_dist.megatron.patch: {type(model).__name__}.{gate_name} takes no labels=; this "
+            "megatron-core version is not supported"
+        )
     loss_original = model.compute_language_model_loss
     loss_signature = inspect.signature(loss_original)
     layer_original = layer.forward
     layer_signature = inspect.signature(layer_original)
-    state = _PatchState(options=options, gate_name=gate_name, gate_signature=gate_signature, layer=layer,
-                        previous={}, installed={})
+    state = _PatchState(
+        options=options, gate_name=gate_name, gate_signature=gate_signature, layer=layer, previous={}, installed={}
+    )
 
     def gate(self, *args, **kwargs):
         try:
@@ -350,11 +375,15 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
         logits = arguments.get("logits")
         if not isinstance(logits, _DeferredLogits):
             return loss_original(*args, **kwargs)
-        return output_layer_loss(logits.layer, logits.hidden, arguments["labels"], weight=logits.weight,
-                                 **state.options)
+        return output_layer_loss(
+            logits.layer, logits.hidden, arguments["labels"], weight=logits.weight, **state.options
+        )
 
-    for owner, name, fn in ((model, gate_name, gate), (layer, "forward", output_layer_forward),
-                            (model, "compute_language_model_loss", compute_language_model_loss)):
+    for owner, name, fn in (
+        (model, gate_name, gate),
+        (layer, "forward", output_layer_forward),
+        (model, "compute_language_model_loss", compute_language_model_loss),
+    ):
         original = getattr(owner, name)
         sig = inspect.signature(original)  # bound: without self; the installed method shows the same
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
@@ -372,7 +401,7 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
 def unpatch(gpt_model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly what :func:`patch` replaced on this instance (and its output layer)."""
     model = gpt_model
-    state: Optional[_PatchState] = vars(model).get(_STATE_ATTR)
+    state: _PatchState | None = vars(model).get(_STATE_ATTR)
     if state is None:
         raise ValueError(f"{type(model).__name__} instance is not patched by cce_dist.megatron.patch")
     owners = [(model, state.gate_name), (state.layer, "forward"), (model, "compute_language_model_loss")]
@@ -392,7 +421,7 @@ def unpatch(gpt_model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _megatron_version() -> Optional[tuple]:
+def _megatron_version() -> tuple | None:
     try:
         from megatron.core import package_info
 
@@ -420,33 +449,49 @@ def _check_model(model) -> None:
     name = type(model).__name__
     if not isinstance(model, GPTModel):
         if isinstance(getattr(model, "module", None), torch.nn.Module):
-            raise TypeError(f"cce_dist.megatron.patch: pass the GPTModel itself, not its {name} wrapper "
-                            "(megatron.core.utils.unwrap_model(model))")
-        raise TypeError(f"cce_dist.megatron.patch patches megatron-core GPTModel instances, got {name}; for another "
-                        "model's ColumnParallelLinear head call cce_dist.megatron.output_layer_loss")
+            raise TypeError(
+                f"cce_dist.megatron.patch: pass the GPTModel itself, not its {name} wrapper "
+                "(megatron.core.utils.unwrap_model(model))"
+            )
+        raise TypeError(
+            f"cce_dist.megatron.patch patches megatron-core GPTModel instances, got {name}; for another "
+            "model's ColumnParallelLinear head call cce_dist.megatron.output_layer_loss"
+        )
     layer = getattr(model, "output_layer", None)
     if not getattr(model, "post_process", True) or layer is None:
-        raise ValueError(f"cce_dist.megatron.patch: this {name} has no output layer (post_process=False: not the "
-                         "last pipeline stage); patch the last stage's model chunk, the others compute no loss")
+        raise ValueError(
+            f"cce_dist.megatron.patch: this {name} has no output layer (post_process=False: not the "
+            "last pipeline stage); patch the last stage's model chunk, the others compute no loss"
+        )
     if not isinstance(layer, ColumnParallelLinear):
-        raise TypeError(f"cce_dist.megatron.patch: {name}.output_layer is a {type(layer).__name__}, not a "
-                        "megatron-core ColumnParallelLinear")
+        raise TypeError(
+            f"cce_dist.megatron.patch: {name}.output_layer is a {type(layer).__name__}, not a "
+            "megatron-core ColumnParallelLinear"
+        )
     params = inspect.signature(layer.forward).parameters
     if "weight" not in params or "runtime_gather_output" not in params:
-        raise TypeError("cce_dist.megatron.patch: ColumnParallelLinear.forward(input_, weight=, runtime_gather_output=) "
-                        "not found; this megatron-core version is not supported")
+        raise TypeError(
+            "cce_dist.megatron.patch: ColumnParallelLinear.forward(input_, weight=, runtime_gather_output=) "
+            "not found; this megatron-core version is not supported"
+        )
     loss_fn = getattr(model, "compute_language_model_loss", None)
     if not callable(loss_fn) or not {"labels", "logits"} <= set(inspect.signature(loss_fn).parameters):
-        raise TypeError(f"cce_dist.megatron.patch: {name}.compute_language_model_loss(labels, logits) not found; this "
-                        "megatron-core version is not supported")
+        raise TypeError(
+            f"cce_dist.megatron.patch: {name}.compute_language_model_loss(labels, logits) not found; this "
+            "megatron-core version is not supported"
+        )
     config = model.config
     if getattr(config, "use_mup", False):
-        raise ValueError("cce_dist.megatron.patch: config.use_mup scales the logits before the loss "
-                         "(mup_output_mult), which the patched loss does not reproduce")
+        raise ValueError(
+            "cce_dist.megatron.patch: config.use_mup scales the logits before the loss "
+            "(mup_output_mult), which the patched loss does not reproduce"
+        )
     if getattr(config, "defer_embedding_wgrad_compute", False):
-        raise ValueError("cce_dist.megatron.patch: config.defer_embedding_wgrad_compute defers the output layer's "
-                         "weight gradient to the pipeline schedule, which needs the layer's own backward; turn it "
-                         "off to use cce_dist")
+        raise ValueError(
+            "cce_dist.megatron.patch: config.defer_embedding_wgrad_compute defers the output layer's "
+            "weight gradient to the pipeline schedule, which needs the layer's own backward; turn it "
+            "off to use cce_dist"
+        )
 
 
 def _check_options(model, loss_options: dict) -> dict:
@@ -454,8 +499,10 @@ def _check_options(model, loss_options: dict) -> dict:
 
     bad = sorted(set(loss_options) - set(PATCH_OPTIONS))
     if bad:
-        raise TypeError(f"cce_dist.megatron.patch got unsupported option(s) {bad}; allowed: {list(PATCH_OPTIONS)} "
-                        "(the head, tp group, sequence parallelism, reduction and label shift follow from the model)")
+        raise TypeError(
+            f"cce_dist.megatron.patch got unsupported option(s) {bad}; allowed: {list(PATCH_OPTIONS)} "
+            "(the head, tp group, sequence parallelism, reduction and label shift follow from the model)"
+        )
     options = dict(loss_options)
     options.setdefault("deterministic", bool(getattr(model.config, "deterministic_mode", False)))
     shard_kw = {k: options[k] for k in _SHARD_FIELDS if k in options}

@@ -48,8 +48,7 @@ def _finite(x: float) -> bool:
 def _check_softcap(softcap: float | None) -> float | None:
     if softcap is None:
         return None
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap > 0 \
-            or not _finite(softcap):
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap > 0 or not _finite(softcap):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     return float(softcap)
 
@@ -78,8 +77,10 @@ class CommonOptions:
             not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
         ):
             raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
-        if self.filter_eps is not None and self.filter_eps != "auto" and not (
-            isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0
+        if (
+            self.filter_eps is not None
+            and self.filter_eps != "auto"
+            and not (isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0)
         ):
             raise ValueError(f"filter_eps must be None, 'auto' or a number >= 0, got {self.filter_eps!r}")
         if self.shard is not None:
@@ -215,10 +216,14 @@ class DistillationOptions:
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         object.__setattr__(self, "beta", _check_number("beta", self.beta, 0.0, 1.0, lo_open=True, hi_open=True))
-        object.__setattr__(self, "temperature",
-                           _check_number("temperature", self.temperature, 0.0, math.inf, lo_open=True, hi_open=True))
-        object.__setattr__(self, "hard_label_weight",
-                           _check_number("hard_label_weight", self.hard_label_weight, 0.0, 1.0))
+        object.__setattr__(
+            self,
+            "temperature",
+            _check_number("temperature", self.temperature, 0.0, math.inf, lo_open=True, hi_open=True),
+        )
+        object.__setattr__(
+            self, "hard_label_weight", _check_number("hard_label_weight", self.hard_label_weight, 0.0, 1.0)
+        )
         if not isinstance(self.scale_by_temperature_squared, bool):
             raise TypeError(f"scale_by_temperature_squared must be a bool, got {self.scale_by_temperature_squared!r}")
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):

@@ -20,8 +20,9 @@ Per call, on a group of ``P`` ranks:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class VocabShard:
                         rank, or disagreeing ranks, into an error on every rank instead of a hang
     """
 
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     start: int
     stop: int
     sequence_parallel: bool = False
@@ -91,7 +92,7 @@ class VocabShard:
             raise ValueError("VocabShard with group=None is a single device: start must be 0")
 
     @classmethod
-    def even(cls, vocab_size: int, group: Optional[dist.ProcessGroup], **kwargs) -> "VocabShard":
+    def even(cls, vocab_size: int, group: dist.ProcessGroup | None, **kwargs) -> VocabShard:
         """Megatron's even split: rank r of a group of P holds ``[r*V/P, (r+1)*V/P)``."""
         if not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -125,7 +126,7 @@ class Layout:
     vocab_size: int
     n_tokens: int
     max_local: int
-    bounds: Optional[tuple[tuple[int, int], ...]] = None  # every rank's [start, stop), if exchanged
+    bounds: tuple[tuple[int, int], ...] | None = None  # every rank's [start, stop), if exchanged
 
 
 def fingerprint(*values) -> int:
@@ -135,8 +136,10 @@ def fingerprint(*values) -> int:
 
 #: modulus and the two independent (a, b, c, k) parameter sets of :func:`targets_checksum`
 _CK_PRIME = 2**31 - 1
-_CK_PARAMS = ((1_540_483_477, 597_399_067, 1_190_494_759, 1_911_520_717),
-              (2_028_178_513, 1_103_515_245, 374_761_393, 668_265_263))
+_CK_PARAMS = (
+    (1_540_483_477, 597_399_067, 1_190_494_759, 1_911_520_717),
+    (2_028_178_513, 1_103_515_245, 374_761_393, 668_265_263),
+)
 
 
 def targets_checksum(targets: torch.Tensor) -> tuple[int, int]:
@@ -171,13 +174,13 @@ _FIELDS = 10
 
 def handshake(
     shard: VocabShard,
-    error: Optional[BaseException],
+    error: BaseException | None,
     *,
     n_tokens: int,
     n_local_tokens: int,
     hidden_dim: int,
     options_fp: int,
-    targets: Optional[torch.Tensor],
+    targets: torch.Tensor | None,
     ignore_index: int,
     device: torch.device,
 ) -> Layout:
@@ -221,10 +224,13 @@ def handshake(
 
     disagree(_N, "the number of tokens (hidden/targets)")
     disagree(_D, "the hidden size (hidden.shape[-1] / weight.shape[1])")
-    disagree(_FP, "the loss options or inputs' kind (reduction, label_smoothing, z_loss, softcap, temperature, "
-                  "ignore_index, shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, "
-                  "compute dtype, which of hidden/weight/bias require grad, the implementation torch/triton "
-                  "that impl= resolved to)")
+    disagree(
+        _FP,
+        "the loss options or inputs' kind (reduction, label_smoothing, z_loss, softcap, temperature, "
+        "ignore_index, shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, "
+        "compute dtype, which of hidden/weight/bias require grad, the implementation torch/triton "
+        "that impl= resolved to)",
+    )
     disagree(_CK, "the target ids (targets must be identical global ids on every rank)")
     disagree(_CK2, "the target ids (targets must be identical global ids on every rank)")
     if shard.sequence_parallel:
@@ -234,8 +240,9 @@ def handshake(
     tmax = int(rows[:, _TMAX].max())
     if tmax >= vocab_size:
         raise InputError(f"targets contain id {tmax}, outside the vocabulary [0, {vocab_size}) of the group")
-    return Layout(vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max(b - a for a, b in bounds),
-                  bounds=bounds)
+    return Layout(
+        vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max(b - a for a, b in bounds), bounds=bounds
+    )
 
 
 def check_tiling(bounds: Sequence[tuple[int, int]]) -> int:
@@ -256,7 +263,7 @@ def check_tiling(bounds: Sequence[tuple[int, int]]) -> int:
 class Comm:
     """The collectives of one call; a no-op object for a single device."""
 
-    def __init__(self, shard: Optional[VocabShard], layout: Optional[Layout]):
+    def __init__(self, shard: VocabShard | None, layout: Layout | None):
         self.shard = shard
         self.world = 1 if shard is None else shard.world_size
         self.active = self.world > 1

@@ -43,17 +43,25 @@ def batches(text: str, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, data.numel() - SEQ - 1, (batch,), generator=g)
-        ids = torch.stack([data[s:s + SEQ] for s in starts.tolist()])
-        labels = torch.stack([data[s + 1:s + SEQ + 1] for s in starts.tolist()])
+        ids = torch.stack([data[s : s + SEQ] for s in starts.tolist()])
+        labels = torch.stack([data[s + 1 : s + SEQ + 1] for s in starts.tolist()])
         labels[1::2, -4:] = -100  # some ignored positions, as padding would give
         yield ids, labels
 
 
 def tiny_llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ, pad_token_id=PAD,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        pad_token_id=PAD,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -88,16 +96,24 @@ def main() -> None:
     student = tiny_llama(hidden=48, layers=1, seed=1)
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
     data = batches(TEXT, batch=8, seed=1)
-    print(f"student distillation (cce_dist.linear_distillation, {args.divergence}, T={args.temperature}, "
-          f"hard_label_weight={args.hard_label_weight}):")
+    print(
+        f"student distillation (cce_dist.linear_distillation, {args.divergence}, T={args.temperature}, "
+        f"hard_label_weight={args.hard_label_weight}):"
+    )
     for step in range(args.student_steps):
         ids, labels = next(data)
         with torch.no_grad():
             t_hidden = last_hidden(teacher, ids)
         s_hidden = last_hidden(student, ids)
         loss = cce_dist.linear_distillation(
-            s_hidden, student.lm_head.weight, t_hidden, teacher.lm_head.weight, labels,
-            divergence=args.divergence, temperature=args.temperature, hard_label_weight=args.hard_label_weight,
+            s_hidden,
+            student.lm_head.weight,
+            t_hidden,
+            teacher.lm_head.weight,
+            labels,
+            divergence=args.divergence,
+            temperature=args.temperature,
+            hard_label_weight=args.hard_label_weight,
         )
         opt.zero_grad()
         loss.backward()

@@ -44,7 +44,7 @@ class ByteBlocks(torch.utils.data.Dataset):
         data = torch.tensor(list(text.encode()), dtype=torch.long)
         self.items = []
         for k, start in enumerate(range(0, len(data) - seq, stride)):
-            ids = data[start:start + seq].clone()
+            ids = data[start : start + seq].clone()
             mask = torch.ones(seq, dtype=torch.long)
             if k % 2:
                 ids[-5:], mask[-5:] = PAD, 0
@@ -60,9 +60,17 @@ class ByteBlocks(torch.utils.data.Dataset):
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=PAD + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         tie_word_embeddings=True, pad_token_id=PAD)
+    config = LlamaConfig(
+        vocab_size=PAD + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -104,8 +112,9 @@ def main(argv=None) -> float:
     if args.lora:
         import peft
 
-        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                               task_type="CAUSAL_LM")  # lm_head stays a plain nn.Linear
+        lora = peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+        )  # lm_head stays a plain nn.Linear
         model = peft.get_peft_model(model, lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"LoRA: {trainable} trainable parameters")
@@ -114,10 +123,20 @@ def main(argv=None) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         targs = TrainingArguments(
-            output_dir=args.output_dir or tmp, max_steps=args.max_steps, per_device_train_batch_size=8,
-            gradient_accumulation_steps=2, learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0,
-            logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
-            disable_tqdm=True, seed=0,
+            output_dir=args.output_dir or tmp,
+            max_steps=args.max_steps,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=2,
+            learning_rate=3e-3,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
         )
         trainer = Trainer(model=model, args=targs, train_dataset=dataset)
         trainer.train()

@@ -59,16 +59,28 @@ def build_model(args, device):
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=TP, use_cpu_initialization=device.type == "cpu",
-        mtp_num_layers=args.mtp or None, params_dtype=torch.float32,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=TP,
+        use_cpu_initialization=device.type == "cpu",
+        mtp_num_layers=args.mtp or None,
+        params_dtype=torch.float32,
     )
     spec = get_gpt_layer_local_spec()
     mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp else None
     padded = math.ceil(args.vocab / (128 * TP)) * 128 * TP  # Megatron's make_vocab_size_divisible_by=128
     torch.manual_seed(1234)
-    model = GPTModel(config, spec, vocab_size=padded, max_sequence_length=args.seq,
-                     share_embeddings_and_output_weights=args.tied, mtp_block_spec=mtp_spec)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=padded,
+        max_sequence_length=args.seq,
+        share_embeddings_and_output_weights=args.tied,
+        mtp_block_spec=mtp_spec,
+    )
     return model.to(device), padded
 
 
@@ -143,8 +155,13 @@ def main(rank, world, init, args):
         device = torch.device("cpu")
         torch.cuda.current_device = lambda: device  # megatron-core allocates a few buffers there
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=10),
+    )
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
@@ -177,9 +194,11 @@ def main(rank, world, init, args):
     batch = tuple(t.to(device) for t in (tokens, labels, loss_mask, positions, attention_mask))
 
     if rank == 0:
-        print(f"GPTModel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab} (padded {padded}, "
-              f"{padded // TP} rows per rank), tp={TP}, seq {args.seq}, batch {args.batch}, mtp {args.mtp}, "
-              f"tied {args.tied}, {'NCCL on CUDA' if cuda else 'gloo on CPU'}")
+        print(
+            f"GPTModel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab} (padded {padded}, "
+            f"{padded // TP} rows per rank), tp={TP}, seq {args.seq}, batch {args.batch}, mtp {args.mtp}, "
+            f"tied {args.tied}, {'NCCL on CUDA' if cuda else 'gloo on CPU'}"
+        )
         peak = "  peak MiB megatron / cce_dist" if cuda else ""
         print(f"step  loss megatron  loss cce_dist   |diff|    saved MiB megatron / cce_dist{peak}")
     for step in range(1, args.steps + 1):
@@ -187,8 +206,10 @@ def main(rank, world, init, args):
         losses = {k: r[0] for k, r in results.items()}
         if rank == 0:
             mib = {k: memories[k].saved / 2**20 for k in models}
-            line = (f"{step:4d}  {losses['megatron']:13.6f}  {losses['cce_dist']:13.6f}  "
-                    f"{abs(losses['megatron'] - losses['cce_dist']):8.2e}  {mib['megatron']:12.2f} / {mib['cce_dist']:.2f}")
+            line = (
+                f"{step:4d}  {losses['megatron']:13.6f}  {losses['cce_dist']:13.6f}  "
+                f"{abs(losses['megatron'] - losses['cce_dist']):8.2e}  {mib['megatron']:12.2f} / {mib['cce_dist']:.2f}"
+            )
             if cuda:
                 line += f"  {memories['megatron'].peak / 2**20:12.2f} / {memories['cce_dist'].peak / 2**20:.2f}"
             for i, (want, got) in enumerate(zip(results["megatron"][1], results["cce_dist"][1])):

@@ -50,17 +50,47 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
     """Per-row logit statistics ``float32 [N, NUM_STATS]``; see :func:`.forward.row_stats`."""
     from .forward import row_stats as _row_stats
 
-    return _row_stats(hidden, weight, bias, targets, vocab_start=vocab_start, softcap=softcap,
-                      temperature=temperature, **kw)
+    return _row_stats(
+        hidden, weight, bias, targets, vocab_start=vocab_start, softcap=softcap, temperature=temperature, **kw
+    )
 
 
-def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, **kw):
+def grads(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    coef,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    need_hidden,
+    need_weight,
+    need_bias,
+    filter_eps=None,
+    deterministic=False,
+    **kw,
+):
     """``(d_hidden, d_weight, d_bias)`` in float32 (None where not needed); see
     :func:`.backward.grads`."""
     from .backward import grads as _grads
 
-    return _grads(hidden, weight, bias, targets, lse, coef, vocab_start=vocab_start,
-                  softcap=softcap, temperature=temperature, need_hidden=need_hidden,
-                  need_weight=need_weight, need_bias=need_bias, filter_eps=filter_eps,
-                  deterministic=deterministic, **kw)
+    return _grads(
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        coef,
+        vocab_start=vocab_start,
+        softcap=softcap,
+        temperature=temperature,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        **kw,
+    )

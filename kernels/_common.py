@@ -39,13 +39,10 @@ def check_inputs(interpret: bool, hidden: torch.Tensor, weight: torch.Tensor, bi
         )
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"expected hidden [N, D] and weight [V_local, D], got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
+            f"expected hidden [N, D] and weight [V_local, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if hidden.dtype != weight.dtype:
-        raise ValueError(
-            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must already share the compute dtype"
-        )
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must already share the compute dtype")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported compute dtype {hidden.dtype}")
     if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
@@ -118,10 +115,25 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 @triton.jit
 def logit_tile(
-    H, W, Bias, offs_n, offs_v, N, V, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    H,
+    W,
+    Bias,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    D,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Raw logits of one [BLOCK_N, BLOCK_V] tile, rounded to the input dtype, returned as fp32.
 
@@ -148,8 +160,9 @@ def logit_tile(
 
 
 @triton.jit
-def transform(raw, softcap, temperature,
-              HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+def transform(
+    raw, softcap, temperature, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, USE_LIBDEVICE: tl.constexpr
+):
     """raw -> (z, t) with t = tanh(raw / softcap) (t = 0 without a softcap; used by the
     backward chain rule 1 - t^2)."""
     if HAS_SOFTCAP:

@@ -52,18 +52,18 @@ class Compiled:
     """What the compiler made of one launch."""
 
     kernel: str
-    arch: int              # 80, 86, 90, 100, 120
-    hash: str              # Triton's kernel hash
+    arch: int  # 80, 86, 90, 100, 120
+    hash: str  # Triton's kernel hash
     num_warps: int
     num_stages: int
-    shared: int            # bytes of dynamic shared memory the launch requests
-    registers: int         # per thread
-    stack: int             # bytes of local stack per thread (spills and local arrays)
-    local: int             # bytes of local memory per thread besides the stack
-    mma: list[str]         # matrix instructions in the PTX: 'wgmma', 'tcgen05', 'mma'
-    atomics: int           # atom/red instructions in the PTX (static count)
+    shared: int  # bytes of dynamic shared memory the launch requests
+    registers: int  # per thread
+    stack: int  # bytes of local stack per thread (spills and local arrays)
+    local: int  # bytes of local memory per thread besides the stack
+    mma: list[str]  # matrix instructions in the PTX: 'wgmma', 'tcgen05', 'mma'
+    atomics: int  # atom/red instructions in the PTX (static count)
     constexprs: dict
-    dtype: str = ""        # element type of the hidden states ('bf16', 'fp16', 'fp32')
+    dtype: str = ""  # element type of the hidden states ('bf16', 'fp16', 'fp32')
 
     @property
     def spill(self) -> int:
@@ -79,8 +79,9 @@ def _resource_usage(cubin: bytes) -> dict:
         f.write(cubin)
         path = f.name
     try:
-        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         os.unlink(path)
     vals = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
@@ -107,15 +108,26 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
     ck = triton.compile(src, target=target, options=options.__dict__)
     ptx = ck.asm["ptx"]
     ru = _resource_usage(ck.asm["cubin"])
-    mma = [m for m, pat in (("wgmma", r"\bwgmma\."), ("tcgen05", r"\btcgen05\.mma"), ("mma", r"\bmma\.sync"))
-           if re.search(pat, ptx)]
+    mma = [
+        m
+        for m, pat in (("wgmma", r"\bwgmma\."), ("tcgen05", r"\btcgen05\.mma"), ("mma", r"\bmma\.sync"))
+        if re.search(pat, ptx)
+    ]
     res = Compiled(
-        kernel=name, arch=arch, hash=ck.hash, num_warps=ck.metadata.num_warps,
-        num_stages=ck.metadata.num_stages, shared=int(ck.metadata.shared),
-        registers=ru["registers"], stack=ru["stack"], local=ru["local"], mma=mma,
+        kernel=name,
+        arch=arch,
+        hash=ck.hash,
+        num_warps=ck.metadata.num_warps,
+        num_stages=ck.metadata.num_stages,
+        shared=int(ck.metadata.shared),
+        registers=ru["registers"],
+        stack=ru["stack"],
+        local=ru["local"],
+        mma=mma,
         atomics=len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.MULTILINE)),
-        constexprs={str(k): (v if isinstance(v, (int, float, str, bool)) else str(v))
-                    for k, v in kwargs.items() if k.isupper()},
+        constexprs={
+            str(k): (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in kwargs.items() if k.isupper()
+        },
         dtype=str(signature.get("H", "")).lstrip("*"),
     )
     meta_path.write_text(json.dumps(asdict(res)))
@@ -131,30 +143,76 @@ def _meta_inputs(n: int, d: int, v: int, dtype: torch.dtype, bias: bool):
     return h, w, b, t
 
 
-def forward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: int, v: int, *,
-                     bias=False, softcap=None, temperature=None, tf32=True):
+def forward_launches(
+    props: _config.DeviceProps,
+    dtype: torch.dtype,
+    n: int,
+    d: int,
+    v: int,
+    *,
+    bias=False,
+    softcap=None,
+    temperature=None,
+    tf32=True,
+):
     """``[(kernel, grid, args, kwargs)]``: one per forward config the autotuner may pick on ``props``."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
-    args, flags, configs, splits_of, _out = _fwd.plan(h, w, b, t, vocab_start=0, softcap=softcap,
-                                                     temperature=temperature, props=props, allow_tf32=tf32)
+    args, flags, configs, splits_of, _out = _fwd.plan(
+        h, w, b, t, vocab_start=0, softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32
+    )
     out = []
     for c in configs:
-        kw = dict(flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, num_warps=c.num_warps,
-                  num_stages=c.num_stages)
+        kw = dict(
+            flags,
+            BLOCK_N=c.block_n,
+            BLOCK_V=c.block_v,
+            BLOCK_D=c.block_d,
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
         out.append((_fwd._row_stats_kernel, (triton.cdiv(n, c.block_n), splits_of(c)), args, kw))
     return out
 
 
-def backward_launches(props: _config.DeviceProps, dtype: torch.dtype, n: int, d: int, v: int, *,
-                      bias=False, softcap=None, temperature=None, filter_eps=None, deterministic=False,
-                      tf32=True, need_bias=True, schedule="tiles"):
+def backward_launches(
+    props: _config.DeviceProps,
+    dtype: torch.dtype,
+    n: int,
+    d: int,
+    v: int,
+    *,
+    bias=False,
+    softcap=None,
+    temperature=None,
+    filter_eps=None,
+    deterministic=False,
+    tf32=True,
+    need_bias=True,
+    schedule="tiles",
+):
     """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed)."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
     coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
-    *_outs, launches = _bwd.plan(h, w, b, t, lse, coef, vocab_start=0, softcap=softcap, temperature=temperature,
-                                 need_hidden=True, need_weight=True, need_bias=need_bias, filter_eps=filter_eps,
-                                 deterministic=deterministic, props=props, allow_tf32=tf32, _schedule=schedule)
+    *_outs, launches = _bwd.plan(
+        h,
+        w,
+        b,
+        t,
+        lse,
+        coef,
+        vocab_start=0,
+        softcap=softcap,
+        temperature=temperature,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=need_bias,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        props=props,
+        allow_tf32=tf32,
+        _schedule=schedule,
+    )
     return launches
 
 
@@ -164,14 +222,18 @@ PAPER_SHAPE = (8192, 2304, 256000)
 RAGGED_SHAPE = (8191, 2303, 32001)
 
 #: (name, dtype, tf32) of the compute modes: fp32 runs with TF32 matmuls or exactly (IEEE).
-DTYPES = [("bf16", torch.bfloat16, True), ("fp16", torch.float16, True),
-          ("tf32", torch.float32, True), ("fp32", torch.float32, False)]
+DTYPES = [
+    ("bf16", torch.bfloat16, True),
+    ("fp16", torch.float16, True),
+    ("tf32", torch.float32, True),
+    ("fp32", torch.float32, False),
+]
 
 _FLAGS = {
     "plain": dict(),
     "bias+softcap+temp": dict(bias=True, softcap=30.0, temperature=0.7),
-    "filter": dict(filter_eps=2.0 ** -12),
-    "filter+softcap+bias": dict(bias=True, softcap=30.0, filter_eps=2.0 ** -12),
+    "filter": dict(filter_eps=2.0**-12),
+    "filter+softcap+bias": dict(bias=True, softcap=30.0, filter_eps=2.0**-12),
 }
 
 
@@ -196,15 +258,21 @@ def matrix(props: _config.DeviceProps):
         add(f"{name}/plain/fwd", fwd if name != "fp16" else fwd[:1])
         if name == "bf16":
             fl = _FLAGS["bias+softcap+temp"]
-            add(f"{name}/bias+softcap+temp/fwd", forward_launches(
-                props, dtype, n, d, v, bias=True, softcap=fl["softcap"], temperature=fl["temperature"])[:1])
+            add(
+                f"{name}/bias+softcap+temp/fwd",
+                forward_launches(
+                    props, dtype, n, d, v, bias=True, softcap=fl["softcap"], temperature=fl["temperature"]
+                )[:1],
+            )
         fused = {"bf16": list(_FLAGS), "tf32": ["plain", heavy], "fp16": ["plain"], "fp32": ["plain"]}[name]
         det = {"bf16": ["plain", heavy], "tf32": [heavy], "fp16": [], "fp32": [heavy]}[name]
         for fname in fused:
             add(f"{name}/{fname}/bwd", backward_launches(props, dtype, n, d, v, tf32=tf32, **_FLAGS[fname]))
         for fname in det:
-            add(f"{name}/{fname}/bwd-det", backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True,
-                                                             **_FLAGS[fname]))
+            add(
+                f"{name}/{fname}/bwd-det",
+                backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True, **_FLAGS[fname]),
+            )
         if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
             add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
     n, d, v = RAGGED_SHAPE
@@ -247,8 +315,14 @@ def _compile_case(case, arch: int) -> dict:
     try:
         return dict(label=label, ok=True, error="", **asdict(compile_launch(kernel, args, kwargs, arch)))
     except Exception as e:  # noqa: BLE001 - reported (and failed) by the test
-        return dict(label=label, ok=False, error=f"{type(e).__name__}: {e}"[:2000], kernel=kernel.fn.__name__,
-                    arch=arch, constexprs={k: str(v) for k, v in kwargs.items() if k.isupper()})
+        return dict(
+            label=label,
+            ok=False,
+            error=f"{type(e).__name__}: {e}"[:2000],
+            kernel=kernel.fn.__name__,
+            arch=arch,
+            constexprs={k: str(v) for k, v in kwargs.items() if k.isupper()},
+        )
 
 
 if __name__ == "__main__":

@@ -93,11 +93,11 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
-    block_n: int          # token tile
-    block_v: int          # vocab tile
-    block_d: int          # reduction chunk of the logit recompute (h @ W.T)
-    block_d_out: int      # column chunk of the dH / dW tiles written per step
-    group_n: int = 8      # L2 swizzle of the fused kernel's (token tile, vocab tile) grid
+    block_n: int  # token tile
+    block_v: int  # vocab tile
+    block_d: int  # reduction chunk of the logit recompute (h @ W.T)
+    block_d_out: int  # column chunk of the dH / dW tiles written per step
+    group_n: int = 8  # L2 swizzle of the fused kernel's (token tile, vocab tile) grid
     num_warps: int = 4
     num_stages: int = 2
 
@@ -140,8 +140,9 @@ SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
 SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
 
 
-def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True,
-                       softcap: bool = False, aligned: bool = True) -> list[FwdConfig]:
+def forward_candidates(
+    props: DeviceProps, dtype: torch.dtype, tf32: bool = True, softcap: bool = False, aligned: bool = True
+) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
     ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
@@ -155,12 +156,16 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
         # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
         # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
         if dtype == torch.float32:
-            cands = [FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
-                     FwdConfig(128, 128, 16, num_warps=8, num_stages=3),
-                     FwdConfig(64, 128, 32, num_warps=8, num_stages=3)]
+            cands = [
+                FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
+                FwdConfig(128, 128, 16, num_warps=8, num_stages=3),
+                FwdConfig(64, 128, 32, num_warps=8, num_stages=3),
+            ]
         else:
-            cands = [FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
-                     FwdConfig(64, 128, bd, num_warps=8, num_stages=3)]
+            cands = [
+                FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
+                FwdConfig(64, 128, bd, num_warps=8, num_stages=3),
+            ]
         if softcap:
             cands = [c for c in cands if c.block_v < 256]
     elif props.mma == "wgmma":
@@ -180,8 +185,15 @@ def forward_candidates(props: DeviceProps, dtype: torch.dtype, tf32: bool = True
     return out or [SMALL_FWD]
 
 
-def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True, softcap: bool = False,
-                    filtering: bool = False, deterministic: bool = False) -> BwdConfig:
+def backward_config(
+    props: DeviceProps,
+    dtype: torch.dtype,
+    *,
+    tf32: bool = True,
+    softcap: bool = False,
+    filtering: bool = False,
+    deterministic: bool = False,
+) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
     why it is not tuned): the first candidate whose shared memory fits.
 
@@ -193,19 +205,24 @@ def backward_config(props: DeviceProps, dtype: torch.dtype, *, tf32: bool = True
     heavy = softcap or filtering
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
-        cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
-                 BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)]
+        cands = [
+            BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
+            BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2),
+        ]
         if dtype == torch.float32:
             cands = [BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
         return next((c for c in cands if _fits(bwd_smem_estimate(c, dtype), props)), SMALL_BWD)
     if dtype == torch.float32:  # TF32 (64x64 over 4 warps spills the deterministic epilogue on sm_86/120)
-        cands = [BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
-                 BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
+        cands = [
+            BwdConfig(64, 128, 32, 32, group_n=8, num_warps=8, num_stages=2),
+            BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2),
+        ]
     elif props.mma in ("wgmma", "tcgen05"):
         cands = [BwdConfig(64, 128, 64, 64, group_n=8, num_warps=8, num_stages=3)]
         if not heavy:  # tcgen05 reads 64-wide chunks of the dH / dW products back with a spill
-            cands.insert(0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8,
-                                      num_stages=3))
+            cands.insert(
+                0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8, num_stages=3)
+            )
     else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
         cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
     for c in cands:

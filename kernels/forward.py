@@ -26,13 +26,34 @@ _SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scal
 
 @triton.jit
 def _row_stats_kernel(
-    H, W, Bias, Targets, Out,
-    N, V, D, vocab_start, softcap, temperature,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t,
-    stride_os, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    H,
+    W,
+    Bias,
+    Targets,
+    Out,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_os,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """
     Online row statistics of z = transform(round(H @ W.T + Bias)) over a range of vocab rows.
@@ -70,9 +91,27 @@ def _row_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
-        raw = logit_tile(H, W, Bias, offs_n, offs_v, N, V, D,
-                         stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-                         HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        raw = logit_tile(
+            H,
+            W,
+            Bias,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            D,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            HAS_BIAS,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         z, _t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
         z_m = tl.where(col_ok[None, :], z, float("-inf"))
@@ -108,8 +147,11 @@ _TUNED: dict = {}
 
 
 def _triton_config(c: _config.FwdConfig):
-    return triton.Config({"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
-                         num_warps=c.num_warps, num_stages=c.num_stages)
+    return triton.Config(
+        {"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
 
 
 def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -128,8 +170,20 @@ def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, so
     return _TUNED[key]
 
 
-def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, props=None,
-         allow_tf32=None, _splits=None, _blocks=None):
+def plan(
+    hidden,
+    weight,
+    bias,
+    targets,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    props=None,
+    allow_tf32=None,
+    _splits=None,
+    _blocks=None,
+):
     """Everything a launch of the forward kernel needs, without launching it.
 
     Returns ``(args, flags, configs, splits_of, out)``: the kernel's positional arguments, its
@@ -155,8 +209,9 @@ def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, pr
     else:
         if props is None:
             props = _config.DeviceProps.of(hidden.device)
-        configs = _config.forward_candidates(props, hidden.dtype, precision == "tf32", has_softcap,
-                                             _rows_aligned(hidden, weight))
+        configs = _config.forward_candidates(
+            props, hidden.dtype, precision == "tf32", has_softcap, _rows_aligned(hidden, weight)
+        )
 
     def splits_of(c: _config.FwdConfig) -> int:
         if _splits is not None:
@@ -169,19 +224,32 @@ def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, pr
         per = triton.cdiv(triton.cdiv(v, s), c.block_v) * c.block_v
         return min(s, triton.cdiv(v, per))
 
-    out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32,
-                      device=hidden.device)
+    out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32, device=hidden.device)
     args = (
-        hidden, weight, bias if bias is not None else hidden, targets, out,
-        n, v, d, int(vocab_start),
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        targets,
+        out,
+        n,
+        v,
+        d,
+        int(vocab_start),
         float(softcap) if has_softcap else 1.0,
         float(temperature) if has_temp else 1.0,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0, targets.stride(0),
-        out.stride(0), out.stride(1),
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        targets.stride(0),
+        out.stride(0),
+        out.stride(1),
     )
     flags = dict(
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=has_softcap,
+        HAS_TEMP=has_temp,
         USE_LIBDEVICE=use_libdevice(interpret),
         DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
@@ -191,8 +259,7 @@ def plan(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, pr
     return args, flags, configs, splits_of, out
 
 
-def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature,
-              _splits=None, _blocks=None):
+def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, _splits=None, _blocks=None):
     """Per-row logit statistics of one vocab shard: ``float32 [N, NUM_STATS]``.
 
     ``hidden [N, D]``, ``weight [V_local, D]`` (same dtype: fp32/bf16/fp16), ``bias [V_local]`` or
@@ -211,12 +278,21 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
 
     targets = targets.to(torch.int64)
     args, flags, configs, splits_of, out = plan(
-        hidden, weight, bias, targets, vocab_start=vocab_start, softcap=softcap,
-        temperature=temperature, _splits=_splits, _blocks=_blocks)
+        hidden,
+        weight,
+        bias,
+        targets,
+        vocab_start=vocab_start,
+        softcap=softcap,
+        temperature=temperature,
+        _splits=_splits,
+        _blocks=_blocks,
+    )
     if len(configs) > 1 or (not _INTERPRET and _blocks is None):
         props = _config.DeviceProps.of(device)
-        kernel = _tuned_kernel(props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"],
-                               _rows_aligned(hidden, weight))
+        kernel = _tuned_kernel(
+            props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"], _rows_aligned(hidden, weight)
+        )
 
         def cfg_of(meta) -> _config.FwdConfig:
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
@@ -232,5 +308,6 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
         splits = splits_of(c)
         launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages)
         _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
-            *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch)
+            *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
+        )
     return combine_stack(out[:splits])

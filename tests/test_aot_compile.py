@@ -56,7 +56,12 @@ def _compile(target: str, tmp_path: pathlib.Path) -> list[dict]:
     out = tmp_path / f"{target}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--json", str(out), "--jobs", "2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1700, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -100,14 +105,24 @@ def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
 def _assert_every_config_compiled(target: str, rows: list[dict]) -> None:
     """Every config the library can select on ``target`` is among the compiled launches."""
     import torch
+
     from cce_dist.kernels import config as C
 
     props = C.KNOWN_DEVICES[target]
     seen = set()
     for r in rows:
         c = r["constexprs"]
-        seen.add(("fwd" if r["kernel"] == "_row_stats_kernel" else "bwd", c["BLOCK_N"], c["BLOCK_V"], c["BLOCK_D"],
-                  c.get("BLOCK_D_OUT"), r["num_warps"], r["num_stages"]))
+        seen.add(
+            (
+                "fwd" if r["kernel"] == "_row_stats_kernel" else "bwd",
+                c["BLOCK_N"],
+                c["BLOCK_V"],
+                c["BLOCK_D"],
+                c.get("BLOCK_D_OUT"),
+                r["num_warps"],
+                r["num_stages"],
+            )
+        )
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
         for c in C.forward_candidates(props, dtype, tf32) + C.forward_candidates(props, dtype, tf32, softcap=True):
@@ -123,6 +138,7 @@ def test_selection_uses_reported_shared_memory_not_major():
     get the mma.sync configs that fit that, not Hopper's (selection keyed on ``major >= 9`` gave
     it configs needing up to 163,840 B). A Hopper part reporting less memory gets smaller tiles."""
     import torch
+
     from cce_dist.kernels import config as C
 
     p120, p86, p90 = (C.KNOWN_DEVICES[k] for k in ("sm_120", "sm_86", "sm_90"))

@@ -49,17 +49,20 @@ def objective(path, h, w, t, b=None, *, impl="torch", shard=None, oracle=False):
     u1, u2 = _row_weights(t.numel())
     u1, u2 = u1.reshape(t.shape).to(h.device), u2.reshape(t.shape).to(h.device)
     if oracle:
+
         def ce(**kw):
             return oracle_cross_entropy(h, w, t, b, dtype=torch.float64, **kw)
 
         def lp(**kw):
             return oracle_logprobs(h, w, t, b, dtype=torch.float64, **kw)
     else:
+
         def ce(**kw):
             return linear_cross_entropy(h, w, t, bias=b, impl=impl, shard=shard, **kw)
 
         def lp(**kw):
             return linear_logprobs(h, w, t, bias=b, impl=impl, shard=shard, **kw)
+
     if path == "mean":
         return ce(z_loss=1e-2)
     if path == "sum":
@@ -183,8 +186,9 @@ def test_activation_checkpointing(path, impl, reentrant):
     ref = _oracle_tanh_grads(path, h, w, t, b)
     for name, x, y in zip(("value", "d_hidden", "d_weight", "d_bias"), got, ref):
         # float32 computation against float64: a few float32 roundings of O(1) quantities
-        torch.testing.assert_close(x.double(), y.double(), rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            x.double(), y.double(), rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +252,7 @@ def test_loss_scaling_torch(dtype_name, grad_in_forward):
     """The GradScaler recipe at the issue's shape (N=4096, D=32, V=512), every scale 2**0..2**24: today the fused
     path cast the gradients to fp16 before applying the scale (and cast the scale to fp16): inf/NaN at 2**16 and
     66x less accurate than the materialized loss at 2**15."""
+
     def fn(h, w, t):
         return linear_cross_entropy(h, w, t, z_loss=1e-2, impl="torch", grad_in_forward=grad_in_forward)
 
@@ -271,6 +276,7 @@ def test_loss_scaling_torch_native_low_precision_gemm(dtype_name, monkeypatch):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_loss_scaling_triton(dtype_name):
     """The triton kernels (interpreter, small shape) at every scale."""
+
     def fn(h, w, t):
         return linear_cross_entropy(h, w, t, z_loss=1e-2, impl="triton")
 
@@ -313,11 +319,19 @@ def test_fused_holds_gradients_in_their_own_dtype_except_fp16(dtype_name):
     _, ref_h, ref_w, ref_b = oracle_grads("mean", h0, w0, t, b0)
     # one rounding to the dtype of a float32-accumulated gradient: 2 ulps of bf16 / fp16 (2**-7 / 2**-10 relative)
     tol = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
-    for name, got, ref, dt in (("hidden", h.grad, ref_h, hdt), ("weight", w.grad, ref_w, wdt),
-                               ("bias", b.grad, ref_b, wdt)):
+    for name, got, ref, dt in (
+        ("hidden", h.grad, ref_h, hdt),
+        ("weight", w.grad, ref_w, wdt),
+        ("bias", b.grad, ref_b, wdt),
+    ):
         assert got.dtype == dt, name
-        torch.testing.assert_close(got.double() / 2.0**10, ref, rtol=tol[dt], atol=tol[dt] * float(ref.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.double() / 2.0**10,
+            ref,
+            rtol=tol[dt],
+            atol=tol[dt] * float(ref.abs().max()),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,8 +374,9 @@ def test_zero_hidden_size_compiled():
     h2, w2, b2 = _leaves(h, w, b)
     ref_out = objective("entropy", h2, w2, t, b2, oracle=True) + objective("return_lse", h2, w2, t, b2, oracle=True)
     ref_out.backward()
-    _zero_dim_check((out.detach(), h.grad, w.grad, b.grad), (ref_out.detach().double(), None, None,
-                                                             b2.grad.double()), h, w, b)
+    _zero_dim_check(
+        (out.detach(), h.grad, w.grad, b.grad), (ref_out.detach().double(), None, None, b2.grad.double()), h, w, b
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +415,8 @@ def _tp_body(rank, world, group, cases):
                 ref = oracle_grads("mean", h, w, t, None)
                 for s in (2.0**15, 2.0**16, 2.0**24):
                     mh, mw = _scaled_grads(
-                        lambda a, b, t: oracle_cross_entropy(a, b, t, z_loss=1e-2, dtype=torch.float16), h, w, t, s)
+                        lambda a, b, t: oracle_cross_entropy(a, b, t, z_loss=1e-2, dtype=torch.float16), h, w, t, s
+                    )
                     hh, ww = _leaves(h, w[sl])
                     out = linear_cross_entropy(hh, ww, t, z_loss=1e-2, shard=shard, impl=impl, chunk_size=64 * V)
                     (out * s).backward()

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from test_distill_oracle import oracle_distill
 
 from cce_dist import DistillationOptions, InputError, linear_distillation  # noqa: F401 (InputError: API check)
@@ -47,14 +46,34 @@ def student_grads(loss, sh, sw, sb, upstream=None):
     return torch.autograd.grad(loss, ins, grad_outputs=upstream)
 
 
-def compare(kw, s_dtype=torch.float32, t_dtype=torch.float32, bias=True, tol=F32, seed=0, upstream=False,
-            oracle_dtypes=(torch.float64, torch.float64), ignore=True, no_targets=False):
+def compare(
+    kw,
+    s_dtype=torch.float32,
+    t_dtype=torch.float32,
+    bias=True,
+    tol=F32,
+    seed=0,
+    upstream=False,
+    oracle_dtypes=(torch.float64, torch.float64),
+    ignore=True,
+    no_targets=False,
+):
     sh, sw, sb, th, tw, tb, t = make(seed, s_dtype, t_dtype, bias, ignore)
     targets = None if no_targets else t
     out = linear_distillation(sh, sw, th, tw, targets, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
     okw = {k: v for k, v in kw.items() if k not in ("grad_in_forward", "impl")}
-    ref = oracle_distill(sh, sw, th, tw, targets, student_bias=sb, teacher_bias=tb, student_dtype=oracle_dtypes[0],
-                         teacher_dtype=oracle_dtypes[1], **okw)
+    ref = oracle_distill(
+        sh,
+        sw,
+        th,
+        tw,
+        targets,
+        student_bias=sb,
+        teacher_bias=tb,
+        student_dtype=oracle_dtypes[0],
+        teacher_dtype=oracle_dtypes[1],
+        **okw,
+    )
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, **tol)
     up = None
@@ -77,8 +96,15 @@ def test_matches_oracle_fp32(div, extra, reduction):
     """Every divergence x reduction over temperature, softcap per head, the hard-label mix and both schedules."""
     cases = itertools.product([1.0, 2.0], [None, (4.0, None), (None, 3.0)], [0.0, 0.25], [None, False])
     for i, (temp, cap, w, gif) in enumerate(cases):
-        kw = dict(divergence=div, temperature=temp, softcap=cap, hard_label_weight=w, reduction=reduction,
-                  grad_in_forward=gif, **extra)
+        kw = dict(
+            divergence=div,
+            temperature=temp,
+            softcap=cap,
+            hard_label_weight=w,
+            reduction=reduction,
+            grad_in_forward=gif,
+            **extra,
+        )
         if i % 3 == 0:
             kw["scale_by_temperature_squared"] = False
         compare(kw, seed=i, upstream=reduction == "none")
@@ -94,15 +120,18 @@ def test_large_logits_stay_exact():
     """Logits of magnitude ~100: every term is formed relative to the global lse (no cancellation)."""
     for div in ("kl", "reverse_kl", "jsd"):
         sh, sw, sb, th, tw, tb, t = make(3, scale=3.5)
-        out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence=div,
-                                  chunk_size=CHUNK, reduction="none")
+        out = linear_distillation(
+            sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence=div, chunk_size=CHUNK, reduction="none"
+        )
         ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence=div, reduction="none")
         # loss terms of order 100 in float32 logits: a few ulps of 100
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("s_dtype,t_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
-                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "s_dtype,t_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
+)
 @pytest.mark.parametrize("div", ["kl", "jsd"])
 def test_low_precision_heads(s_dtype, t_dtype, div):
     """Each head projects in its own dtype. The oracle rounds the logits to the same dtype (what the
@@ -112,8 +141,9 @@ def test_low_precision_heads(s_dtype, t_dtype, div):
     kw = dict(divergence=div, temperature=2.0, hard_label_weight=0.3, softcap=(5.0, 6.0))
     sh, sw, sb, th, tw, tb, t = make(5, s_dtype, t_dtype)
     out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
-    ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, student_dtype=s_dtype,
-                         teacher_dtype=t_dtype, **kw)
+    ref = oracle_distill(
+        sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, student_dtype=s_dtype, teacher_dtype=t_dtype, **kw
+    )
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(student_grads(out, sh, sw, sb), student_grads(ref, sh, sw, sb)):
         assert a.dtype == s_dtype
@@ -142,8 +172,18 @@ def test_teacher_gets_no_gradient_and_inputs_untouched():
     tb.requires_grad_()
     before = [x.detach().clone() for x in (sh, sw, sb, th, tw, tb, t)]
     for gif in (None, False):
-        loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence="jsd",
-                                   hard_label_weight=0.5, grad_in_forward=gif)
+        loss = linear_distillation(
+            sh,
+            sw,
+            th,
+            tw,
+            t,
+            student_bias=sb,
+            teacher_bias=tb,
+            divergence="jsd",
+            hard_label_weight=0.5,
+            grad_in_forward=gif,
+        )
         loss.backward()
         assert th.grad is None and tw.grad is None and tb.grad is None
         assert sh.grad is not None and sw.grad is not None and sb.grad is not None
@@ -155,8 +195,9 @@ def test_all_ignored_mean_is_zero_with_zero_grads():
     sh, sw, sb, th, tw, tb, t = make(9)
     t.fill_(-100)
     for gif in (None, False):
-        loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, grad_in_forward=gif,
-                                   hard_label_weight=0.5)
+        loss = linear_distillation(
+            sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, grad_in_forward=gif, hard_label_weight=0.5
+        )
         assert float(loss.detach()) == 0.0
         for gr in student_grads(loss, sh, sw, sb):
             assert torch.equal(gr, torch.zeros_like(gr))
@@ -211,23 +252,26 @@ def test_saved_tensors_hold_no_logits_block():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(divergence="kld"), ValueError, "divergence"),
-    (dict(beta=0.0), ValueError, "beta"),
-    (dict(beta=1.5), ValueError, "beta"),
-    (dict(temperature=0.0), ValueError, "temperature"),
-    (dict(temperature=float("inf")), ValueError, "temperature"),
-    (dict(hard_label_weight=-0.1), ValueError, "hard_label_weight"),
-    (dict(reduction="avg"), ValueError, "reduction"),
-    (dict(softcap=-1.0), ValueError, "softcap"),
-    (dict(softcap=(1.0, 2.0, 3.0)), ValueError, "softcap"),
-    (dict(softcap=(None, 0.0)), ValueError, "softcap"),
-    (dict(ignore_index=1.5), TypeError, "ignore_index"),
-    (dict(impl="cuda"), ValueError, "impl"),
-    (dict(impl="triton"), NotImplementedError, "impl='torch'"),
-    (dict(chunk_size=0), ValueError, "chunk_size"),
-    (dict(scale_by_temperature_squared=1), TypeError, "scale_by_temperature_squared"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(divergence="kld"), ValueError, "divergence"),
+        (dict(beta=0.0), ValueError, "beta"),
+        (dict(beta=1.5), ValueError, "beta"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(hard_label_weight=-0.1), ValueError, "hard_label_weight"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap=(1.0, 2.0, 3.0)), ValueError, "softcap"),
+        (dict(softcap=(None, 0.0)), ValueError, "softcap"),
+        (dict(ignore_index=1.5), TypeError, "ignore_index"),
+        (dict(impl="cuda"), ValueError, "impl"),
+        (dict(impl="triton"), NotImplementedError, "impl='torch'"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(scale_by_temperature_squared=1), TypeError, "scale_by_temperature_squared"),
+    ],
+)
 def test_option_errors(kw, exc, match):
     with pytest.raises(exc, match=match):
         DistillationOptions(**kw)
@@ -252,8 +296,15 @@ def test_input_errors():
         (dict(teacher_weight=tw.long()), "teacher_weight must be a floating-point"),
         (dict(student_hidden=sh.detach().numpy()), "student_hidden must be a torch.Tensor"),
     ]
-    base = dict(student_hidden=sh, student_weight=sw, teacher_hidden=th, teacher_weight=tw, targets=t,
-                student_bias=sb, teacher_bias=tb)
+    base = dict(
+        student_hidden=sh,
+        student_weight=sw,
+        teacher_hidden=th,
+        teacher_weight=tw,
+        targets=t,
+        student_bias=sb,
+        teacher_bias=tb,
+    )
     for change, match in cases:
         args = {**base, **change}
         with pytest.raises((TypeError, ValueError), match=match):
@@ -292,8 +343,18 @@ def test_autocast_projects_both_heads_in_the_autocast_dtype():
     kw = dict(divergence="reverse_kl", temperature=1.5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
-    ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, student_dtype=torch.bfloat16,
-                         teacher_dtype=torch.bfloat16, **kw)
+    ref = oracle_distill(
+        sh,
+        sw,
+        th,
+        tw,
+        t,
+        student_bias=sb,
+        teacher_bias=tb,
+        student_dtype=torch.bfloat16,
+        teacher_dtype=torch.bfloat16,
+        **kw,
+    )
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(student_grads(out, sh, sw, sb), student_grads(ref, sh, sw, sb)):
         assert a.dtype == torch.float32

@@ -11,7 +11,6 @@ so the same call gives the reference gradients of the student's hidden, weight a
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ def oracle_distill(
     student_weight: Tensor,
     teacher_hidden: Tensor,
     teacher_weight: Tensor,
-    targets: Optional[Tensor] = None,
+    targets: Tensor | None = None,
     *,
     divergence: str = "kl",
     beta: float = 0.5,
@@ -40,8 +39,8 @@ def oracle_distill(
     hard_label_weight: float = 0.0,
     ignore_index: int = -100,
     reduction: str = "mean",
-    student_bias: Optional[Tensor] = None,
-    teacher_bias: Optional[Tensor] = None,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
     softcap=None,
     student_dtype: torch.dtype = torch.float64,
     teacher_dtype: torch.dtype = torch.float64,
@@ -51,8 +50,14 @@ def oracle_distill(
     d = student_hidden.shape[-1]
     z1, zs = _logits(student_hidden.reshape(-1, d), student_weight, student_bias, caps[0], temperature, student_dtype)
     tb = None if teacher_bias is None else teacher_bias.detach()
-    _, zt = _logits(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), teacher_weight.detach(), tb,
-                    caps[1], temperature, teacher_dtype)
+    _, zt = _logits(
+        teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
+        teacher_weight.detach(),
+        tb,
+        caps[1],
+        temperature,
+        teacher_dtype,
+    )
     ls, lt = zs.log_softmax(-1), zt.log_softmax(-1)
     if divergence == "kl":
         div = (lt.exp() * (lt - ls)).sum(-1)
@@ -88,8 +93,12 @@ def oracle_distill(
 
 def _inputs(seed=0, n=6, ds=5, dt=7, v=9):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, ds, generator=g, dtype=torch.float64), torch.randn(v, ds, generator=g, dtype=torch.float64),
-            torch.randn(n, dt, generator=g, dtype=torch.float64), torch.randn(v, dt, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(n, ds, generator=g, dtype=torch.float64),
+        torch.randn(v, ds, generator=g, dtype=torch.float64),
+        torch.randn(n, dt, generator=g, dtype=torch.float64),
+        torch.randn(v, dt, generator=g, dtype=torch.float64),
+    )
 
 
 def test_oracle_kl_is_pytorch_kl_div_times_t_squared():
@@ -113,8 +122,9 @@ def test_oracle_jsd_limits_and_symmetry():
     kl = oracle_distill(sh, sw, th, tw)
     rkl = oracle_distill(sh, sw, th, tw, divergence="reverse_kl")
     torch.testing.assert_close(oracle_distill(sh, sw, th, tw, divergence="jsd", beta=eps) / eps, kl, rtol=1e-4, atol=0)
-    torch.testing.assert_close(oracle_distill(sh, sw, th, tw, divergence="jsd", beta=1 - eps) / eps, rkl, rtol=1e-4,
-                               atol=0)
+    torch.testing.assert_close(
+        oracle_distill(sh, sw, th, tw, divergence="jsd", beta=1 - eps) / eps, rkl, rtol=1e-4, atol=0
+    )
     # beta = 1/2 is the symmetric JSD, bounded by log 2
     a = oracle_distill(sh, sw, th, tw, divergence="jsd", reduction="none")
     b = oracle_distill(th, tw, sh, sw, divergence="jsd", reduction="none")

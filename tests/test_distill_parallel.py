@@ -15,7 +15,6 @@ import itertools
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from test_distill_oracle import oracle_distill
 
@@ -66,22 +65,35 @@ def _body(rank, world, group, layouts, sequence_parallel):
             w_loc = sw[start:stop].clone().requires_grad_()
             b_loc = sb[start:stop].clone().requires_grad_()
             targets = None if i in (4, 9) else t  # reverse_kl / mean and jsd / none without targets (no hard term)
-            out = linear_distillation(h_loc, w_loc, th[sl].unsqueeze(1), tw[start:stop],
-                                      None if targets is None else targets.unsqueeze(1),
-                                      student_bias=b_loc, teacher_bias=tb[start:stop], shard=shard,
-                                      chunk_size=CHUNK, grad_in_forward=gif, **kw)
+            out = linear_distillation(
+                h_loc,
+                w_loc,
+                th[sl].unsqueeze(1),
+                tw[start:stop],
+                None if targets is None else targets.unsqueeze(1),
+                student_bias=b_loc,
+                teacher_bias=tb[start:stop],
+                shard=shard,
+                chunk_size=CHUNK,
+                grad_in_forward=gif,
+                **kw,
+            )
             up_loc = up.unsqueeze(1) if kw["reduction"] == "none" else None
             gh, gw, gb = torch.autograd.grad(out, [h_loc, w_loc, b_loc], grad_outputs=up_loc)
             shf = sh.double().requires_grad_()
             swf = sw.double().requires_grad_()
             sbf = sb.double().requires_grad_()
-            ref = oracle_distill(shf, swf, th.double(), tw.double(), targets, student_bias=sbf,
-                                 teacher_bias=tb.double(),
-                                 **kw)
+            ref = oracle_distill(
+                shf, swf, th.double(), tw.double(), targets, student_bias=sbf, teacher_bias=tb.double(), **kw
+            )
             rh, rw, rb = torch.autograd.grad(ref, [shf, swf, sbf], grad_outputs=None if up_loc is None else up.double())
             name = f"layout={layout} {kw} {collective} gif={gif} targets={targets is not None}"
-            checks = [("loss", out.reshape(-1), ref.reshape(-1)), ("dH", gh.reshape(-1, DS), rh[sl]),
-                      ("dW", gw, rw[start:stop]), ("db", gb, rb[start:stop])]
+            checks = [
+                ("loss", out.reshape(-1), ref.reshape(-1)),
+                ("dH", gh.reshape(-1, DS), rh[sl]),
+                ("dW", gw, rw[start:stop]),
+                ("db", gb, rb[start:stop]),
+            ]
             for what, a, b in checks:
                 try:
                     torch.testing.assert_close(a.double(), b.double(), **TOL)
@@ -93,8 +105,9 @@ def _body(rank, world, group, layouts, sequence_parallel):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_vocab_parallel_matches_oracle(tmp_path, world, sequence_parallel):
-    results = run_ranks(_body, world, tmp_path, kw=dict(layouts=LAYOUTS[world], sequence_parallel=sequence_parallel),
-                        timeout=300)
+    results = run_ranks(
+        _body, world, tmp_path, kw=dict(layouts=LAYOUTS[world], sequence_parallel=sequence_parallel), timeout=300
+    )
     failures = [f for r in sorted(results) for f in results[r]]
     assert not failures, "\n".join(failures[:20])
 
@@ -105,7 +118,7 @@ def _bad_teacher_body(rank, world, group, bad_rank):
     start, stop = bounds
     t_rows = tw[start:stop]
     if rank == bad_rank:  # this rank's teacher head holds one row more than its student shard
-        t_rows = tw[start:stop + 1]
+        t_rows = tw[start : stop + 1]
     shard = VocabShard(group, start, stop)
     try:
         linear_distillation(sh.requires_grad_(), sw[start:stop], th, t_rows, t, shard=shard)
@@ -126,8 +139,9 @@ def _disagree_body(rank, world, group):
     start, stop = LAYOUTS[world][0][rank]
     temp = 1.0 if rank == 0 else 2.0  # ranks disagree on an option
     try:
-        linear_distillation(sh, sw[start:stop], th, tw[start:stop], t, temperature=temp,
-                            shard=VocabShard(group, start, stop))
+        linear_distillation(
+            sh, sw[start:stop], th, tw[start:stop], t, temperature=temp, shard=VocabShard(group, start, stop)
+        )
     except ValueError as e:
         return str(e)
     return None

@@ -33,7 +33,6 @@ import random
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from oracle import oracle_cross_entropy, oracle_logprobs
 
@@ -41,7 +40,6 @@ hyp = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import cce_dist  # noqa: E402
 from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs  # noqa: E402
 
 LONG = int(os.environ.get("CCE_FUZZ_EXAMPLES", "0") or 0)
@@ -100,8 +98,10 @@ def close_report(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float
     g, w = got.detach().double(), want.detach().double()
     fin = torch.isfinite(w)
     if not torch.equal(torch.isnan(g), torch.isnan(w)):
-        return f"NaN pattern differs: got {torch.isnan(g).nonzero().flatten().tolist()[:8]}, want " \
-               f"{torch.isnan(w).nonzero().flatten().tolist()[:8]}"
+        return (
+            f"NaN pattern differs: got {torch.isnan(g).nonzero().flatten().tolist()[:8]}, want "
+            f"{torch.isnan(w).nonzero().flatten().tolist()[:8]}"
+        )
     inf_w = torch.isinf(w)
     if not torch.equal(g[inf_w], w[inf_w]) or bool(torch.isinf(g[~inf_w]).any()):
         return "Inf pattern differs"
@@ -110,8 +110,10 @@ def close_report(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float
         lim = atol + rtol * w[fin].abs()
         if bool((err > lim).any()):
             k = int(torch.argmax(err - lim))
-            return f"max err {float(err.max()):.3g} (at {k}: got {float(g[fin][k]):.6g}, want {float(w[fin][k]):.6g}, " \
-                   f"atol {atol:.3g}, rtol {rtol:.3g})"
+            return (
+                f"max err {float(err.max()):.3g} (at {k}: got {float(g[fin][k]):.6g}, want {float(w[fin][k]):.6g}, "
+                f"atol {atol:.3g}, rtol {rtol:.3g})"
+            )
     return None
 
 
@@ -138,8 +140,10 @@ def store_rounding_tol(compute: torch.dtype, stored: torch.dtype, ref: torch.Ten
 
 def leaves(*ts, need=None):
     need = need or (True,) * len(ts)
-    return [None if t is None else t.detach().clone().requires_grad_(bool(r and t.is_floating_point()))
-            for t, r in zip(ts, need)]
+    return [
+        None if t is None else t.detach().clone().requires_grad_(bool(r and t.is_floating_point()))
+        for t, r in zip(ts, need)
+    ]
 
 
 def backward_grads(outputs, inputs, upstreams):
@@ -189,8 +193,13 @@ def problems(draw, *, max_n=40, max_d=24, max_v=70, low_precision=True, small=Fa
     if draw(st.booleans()):
         t = t.to(torch.int32)
     need = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
-    return h, w, b, t, dict(n=n, d=d, v=v, ignore_index=ignore_index, need=need, seed=seed, wdtype=wdtype,
-                            hdtype=hdtype)
+    return (
+        h,
+        w,
+        b,
+        t,
+        dict(n=n, d=d, v=v, ignore_index=ignore_index, need=need, seed=seed, wdtype=wdtype, hdtype=hdtype),
+    )
 
 
 def _compute_dtype(h, w):
@@ -235,8 +244,19 @@ def check_cross_entropy(data, impl: str, small: bool):
     if impl == "triton":
         extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
         extra["deterministic"] = data.draw(st.booleans(), label="deterministic")
-    kw = dict(ignore_index=m["ignore_index"], reduction=reduction, label_smoothing=eps, z_loss=zl, softcap=softcap,
-              shift=shift, impl=impl, return_lse=ret_lse, chunk_size=chunk, grad_in_forward=gif, **extra)
+    kw = dict(
+        ignore_index=m["ignore_index"],
+        reduction=reduction,
+        label_smoothing=eps,
+        z_loss=zl,
+        softcap=softcap,
+        shift=shift,
+        impl=impl,
+        return_lse=ret_lse,
+        chunk_size=chunk,
+        grad_in_forward=gif,
+        **extra,
+    )
     h1, w1, b1 = leaves(h, w, b, need=m["need"])
     h2, w2, b2 = leaves(h, w, b, need=m["need"])
     before = [x.clone() for x in (h, w, t)] + ([b.clone()] if b is not None else [])
@@ -245,9 +265,20 @@ def check_cross_entropy(data, impl: str, small: bool):
     else:
         out = linear_cross_entropy(h1, w1, t, bias=b1, **kw)
     cd = _compute_dtype(h, w)
-    ref = oracle_cross_entropy(h2, w2, t, b2, ignore_index=m["ignore_index"], reduction=reduction,
-                               label_smoothing=eps, z_loss=zl, softcap=softcap, shift=shift, dtype=cd,
-                               return_lse=True)
+    ref = oracle_cross_entropy(
+        h2,
+        w2,
+        t,
+        b2,
+        ignore_index=m["ignore_index"],
+        reduction=reduction,
+        label_smoothing=eps,
+        z_loss=zl,
+        softcap=softcap,
+        shift=shift,
+        dtype=cd,
+        return_lse=True,
+    )
     loss, lse = out if ret_lse else (out, None)
     rloss, rlse = ref
     fails = []
@@ -266,11 +297,15 @@ def check_cross_entropy(data, impl: str, small: bool):
     if ret_lse:
         if lse.dtype != torch.float32 or tuple(lse.shape) != tshape:
             fails.append(f"lse dtype/shape {lse.dtype} {tuple(lse.shape)}")
-        elif (r := close_report(lse, rlse, *fwd_tol(cd, zmax, v=v))):
+        elif r := close_report(lse, rlse, *fwd_tol(cd, zmax, v=v)):
             fails.append(f"lse: {r}")
     # upstream gradients: a random scalar / per-token tensor for the loss, per-token for the lse
     g = torch.Generator().manual_seed(m["seed"] + 1)
-    gl = torch.randn(rloss.shape, generator=g) if reduction == "none" else torch.tensor(float(torch.rand(1, generator=g)) + 0.5)
+    gl = (
+        torch.randn(rloss.shape, generator=g)
+        if reduction == "none"
+        else torch.tensor(float(torch.rand(1, generator=g)) + 0.5)
+    )
     gs = torch.randn(rlse.shape, generator=g)
     outs = [loss] + ([lse] if ret_lse else [])
     refs = [rloss] + ([rlse] if ret_lse else [])
@@ -289,15 +324,17 @@ def check_cross_entropy(data, impl: str, small: bool):
             if x.dtype != src.dtype:
                 fails.append(f"d{name} dtype {x.dtype} != {src.dtype}")
             lowp = cd if cd != torch.float32 else src.dtype
-            tol = grad_tol(lowp, y) * (1 + 2 * zl * (zmax + math.log(max(v, 1)) + 1)) + \
-                store_rounding_tol(lowp, src.dtype, y)
-            if (r := close_report(x.float(), y.float(), tol, 0.0)):
+            tol = grad_tol(lowp, y) * (1 + 2 * zl * (zmax + math.log(max(v, 1)) + 1)) + store_rounding_tol(
+                lowp, src.dtype, y
+            )
+            if r := close_report(x.float(), y.float(), tol, 0.0):
                 fails.append(f"d{name}: {r}")
     after = [h, w, t] + ([b] if b is not None else [])
     if not all(torch.equal(a, c) for a, c in zip(before, after)):
         fails.append("an input was modified in place")
-    assert not fails, f"{impl} cross-entropy {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
-        "; ".join(fails)
+    assert not fails, (
+        f"{impl} cross-entropy {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + "; ".join(fails)
+    )
     CHECKED[f"{impl} cross-entropy"] += 1
 
 
@@ -313,14 +350,32 @@ def check_logprobs(data, impl: str, small: bool):
     if impl == "triton":
         extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
         extra["deterministic"] = data.draw(st.booleans(), label="deterministic")
-    kw = dict(ignore_index=m["ignore_index"], softcap=softcap, temperature=temp, shift=shift, impl=impl,
-              return_entropy=ret_ent, chunk_size=chunk, **extra)
+    kw = dict(
+        ignore_index=m["ignore_index"],
+        softcap=softcap,
+        temperature=temp,
+        shift=shift,
+        impl=impl,
+        return_entropy=ret_ent,
+        chunk_size=chunk,
+        **extra,
+    )
     h1, w1, b1 = leaves(h, w, b, need=m["need"])
     h2, w2, b2 = leaves(h, w, b, need=m["need"])
     out = linear_logprobs(h1, w1, t, bias=b1, **kw)
     cd = _compute_dtype(h, w)
-    rlp, rent = oracle_logprobs(h2, w2, t, b2, ignore_index=m["ignore_index"], softcap=softcap, temperature=temp,
-                                shift=shift, dtype=cd, return_entropy=True)
+    rlp, rent = oracle_logprobs(
+        h2,
+        w2,
+        t,
+        b2,
+        ignore_index=m["ignore_index"],
+        softcap=softcap,
+        temperature=temp,
+        shift=shift,
+        dtype=cd,
+        return_entropy=True,
+    )
     lp, ent = out if ret_ent else (out, None)
     fails = []
     zmax = _logit_bound(h, w.to(cd), None if b is None else b.to(cd))
@@ -330,12 +385,12 @@ def check_logprobs(data, impl: str, small: bool):
     atol, rtol = fwd_tol(cd, zmax, v=v)
     if lp.dtype != torch.float32 or tuple(lp.shape) != tuple(t.shape):
         fails.append(f"logprobs dtype/shape {lp.dtype} {tuple(lp.shape)}")
-    elif (r := close_report(lp, rlp, atol, rtol)):
+    elif r := close_report(lp, rlp, atol, rtol):
         fails.append(f"logprobs: {r}")
     if bool((lp > 0).any()):
         fails.append("a positive logprob")
     if ret_ent:
-        if (r := close_report(ent, rent, atol, rtol)):
+        if r := close_report(ent, rent, atol, rtol):
             fails.append(f"entropy: {r}")
     g = torch.Generator().manual_seed(m["seed"] + 2)
     g1, g2 = torch.randn(rlp.shape, generator=g), torch.randn(rlp.shape, generator=g)
@@ -356,10 +411,11 @@ def check_logprobs(data, impl: str, small: bool):
             lowp = cd if cd != torch.float32 else src.dtype
             # entropy gradients carry a factor |z|: scale the tolerance with the logit range
             tol = grad_tol(lowp, y) * (1 + (zmax if ret_ent else 0.0)) + store_rounding_tol(lowp, src.dtype, y)
-            if (r := close_report(x.float(), y.float(), tol, 0.0)):
+            if r := close_report(x.float(), y.float(), tol, 0.0):
                 fails.append(f"d{name}: {r}")
-    assert not fails, f"{impl} logprobs {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + \
-        "; ".join(fails)
+    assert not fails, f"{impl} logprobs {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + "; ".join(
+        fails
+    )
     CHECKED[f"{impl} logprobs"] += 1
 
 
@@ -416,18 +472,30 @@ def sharded_case(seed: int, world: int, impl: str) -> dict:
         n = rng.choice([0, 1, 2, rng.randint(0, 9 if small else 30)])
         shape = (n,) if rng.random() < 0.6 or n % 2 else (2, n // 2)
     c = dict(
-        seed=seed, impl=impl, v=v, layout=random_layout(rng, v, world), shape=shape,
+        seed=seed,
+        impl=impl,
+        v=v,
+        layout=random_layout(rng, v, world),
+        shape=shape,
         d=rng.choice([1, 3, 16]) if small else rng.choice([1, 2, 5, 16, 23]),
         dtype=rng.choice([torch.float32, torch.float32, torch.bfloat16]),
-        bias=rng.random() < 0.5, form=rng.choice(["ce", "ce", "lp"]), sp=sp,
+        bias=rng.random() < 0.5,
+        form=rng.choice(["ce", "ce", "lp"]),
+        sp=sp,
         reduce_hidden_grad=True if sp else rng.random() < 0.8,
         stats_collective=rng.choice(["auto", "allreduce", "allgather"]),
         ignore_index=rng.choice([-100, -1, 0]) if v > 1 else -100,
-        ignore_frac=rng.choice([0.0, 0.3, 1.0]), scale=rng.choice([0.1, 1.0, 3.0]),
-        reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.0, 0.2]),
-        z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, None, 2.0]), temperature=rng.choice([1.0, 0.7]),
-        shift=rng.choice([0, 0, 1]) if not sp else 0, chunk=rng.choice([1, 7, None]),
-        gif=rng.choice([None, False]), return_extra=rng.random() < 0.5,
+        ignore_frac=rng.choice([0.0, 0.3, 1.0]),
+        scale=rng.choice([0.1, 1.0, 3.0]),
+        reduction=rng.choice(["mean", "sum", "none"]),
+        label_smoothing=rng.choice([0.0, 0.0, 0.2]),
+        z_loss=rng.choice([0.0, 1e-3]),
+        softcap=rng.choice([None, None, 2.0]),
+        temperature=rng.choice([1.0, 0.7]),
+        shift=rng.choice([0, 0, 1]) if not sp else 0,
+        chunk=rng.choice([1, 7, None]),
+        gif=rng.choice([None, False]),
+        return_extra=rng.random() < 0.5,
     )
     return c
 
@@ -463,48 +531,89 @@ def run_sharded_case(rank, world, group, c) -> list[str]:
     start, stop = c["layout"][rank]
     sp = c["sp"]
     n_loc = shape[0] // world if sp else None
-    h_loc = H[rank * n_loc:(rank + 1) * n_loc] if sp else H
+    h_loc = H[rank * n_loc : (rank + 1) * n_loc] if sp else H
     h1 = h_loc.detach().clone().requires_grad_(True)
     w1 = W[start:stop].detach().clone().requires_grad_(True)
     b1 = None if B is None else B[start:stop].detach().clone().requires_grad_(True)
-    shard = VocabShard(group, start, stop, sequence_parallel=sp, reduce_hidden_grad=c["reduce_hidden_grad"],
-                       stats_collective=c["stats_collective"])
+    shard = VocabShard(
+        group,
+        start,
+        stop,
+        sequence_parallel=sp,
+        reduce_hidden_grad=c["reduce_hidden_grad"],
+        stats_collective=c["stats_collective"],
+    )
     h2 = H.detach().clone().requires_grad_(True)
     w2 = W.detach().clone().requires_grad_(True)
     b2 = None if B is None else B.detach().clone().requires_grad_(True)
-    common = dict(ignore_index=c["ignore_index"], softcap=c["softcap"], shift=c["shift"], impl=c["impl"],
-                  chunk_size=c["chunk"])
+    common = dict(
+        ignore_index=c["ignore_index"], softcap=c["softcap"], shift=c["shift"], impl=c["impl"], chunk_size=c["chunk"]
+    )
     cd = c["dtype"]
     zmax = _logit_bound(H, W, B)
     if c["softcap"] is not None:
         zmax = min(zmax, c["softcap"])
     n_tok = T.numel()
     if c["form"] == "ce":
-        out = linear_cross_entropy(h1, w1, T, bias=b1, shard=shard, reduction=c["reduction"],
-                                   label_smoothing=c["label_smoothing"], z_loss=c["z_loss"],
-                                   return_lse=c["return_extra"], grad_in_forward=c["gif"], **common)
-        ref = oracle_cross_entropy(h2, w2, T, b2, ignore_index=c["ignore_index"], reduction=c["reduction"],
-                                   label_smoothing=c["label_smoothing"], z_loss=c["z_loss"], softcap=c["softcap"],
-                                   shift=c["shift"], dtype=cd, return_lse=True)
+        out = linear_cross_entropy(
+            h1,
+            w1,
+            T,
+            bias=b1,
+            shard=shard,
+            reduction=c["reduction"],
+            label_smoothing=c["label_smoothing"],
+            z_loss=c["z_loss"],
+            return_lse=c["return_extra"],
+            grad_in_forward=c["gif"],
+            **common,
+        )
+        ref = oracle_cross_entropy(
+            h2,
+            w2,
+            T,
+            b2,
+            ignore_index=c["ignore_index"],
+            reduction=c["reduction"],
+            label_smoothing=c["label_smoothing"],
+            z_loss=c["z_loss"],
+            softcap=c["softcap"],
+            shift=c["shift"],
+            dtype=cd,
+            return_lse=True,
+        )
         outs = list(out) if c["return_extra"] else [out]
         refs = list(ref) if c["return_extra"] else [ref[0]]
         ups = [g1 if c["reduction"] == "none" else torch.tensor(gs)] + ([g2] if c["return_extra"] else [])
-        tols = [fwd_tol(cd, zmax, z_loss=c["z_loss"], v=v, n_sum=max(n_tok, 1) if c["reduction"] == "sum" else 1),
-                fwd_tol(cd, zmax, v=v)]
+        tols = [
+            fwd_tol(cd, zmax, z_loss=c["z_loss"], v=v, n_sum=max(n_tok, 1) if c["reduction"] == "sum" else 1),
+            fwd_tol(cd, zmax, v=v),
+        ]
         zl = c["z_loss"]
     else:
-        out = linear_logprobs(h1, w1, T, bias=b1, shard=shard, temperature=c["temperature"],
-                              return_entropy=c["return_extra"], **common)
-        ref = oracle_logprobs(h2, w2, T, b2, ignore_index=c["ignore_index"], softcap=c["softcap"],
-                              temperature=c["temperature"], shift=c["shift"], dtype=cd, return_entropy=True)
+        out = linear_logprobs(
+            h1, w1, T, bias=b1, shard=shard, temperature=c["temperature"], return_entropy=c["return_extra"], **common
+        )
+        ref = oracle_logprobs(
+            h2,
+            w2,
+            T,
+            b2,
+            ignore_index=c["ignore_index"],
+            softcap=c["softcap"],
+            temperature=c["temperature"],
+            shift=c["shift"],
+            dtype=cd,
+            return_entropy=True,
+        )
         outs = list(out) if c["return_extra"] else [out]
         refs = list(ref) if c["return_extra"] else [ref[0]]
-        ups = [g1, g2][:len(outs)]
+        ups = [g1, g2][: len(outs)]
         zmax /= c["temperature"]
         tols = [fwd_tol(cd, zmax, v=v)] * 2
         zl = 0.0
     for k, (o, r_, tl) in enumerate(zip(outs, refs, tols)):
-        if (r := close_report(o, r_, *tl)):
+        if r := close_report(o, r_, *tl):
             fails.append(f"output {k}: {r}")
     # every rank must hold bitwise the same values (a TP group must not drift apart)
     for k, o in enumerate(outs):
@@ -517,13 +626,13 @@ def run_sharded_case(rank, world, group, c) -> list[str]:
     # dH: full (all-reduced), this rank's sequence slice, or a partial whose group sum is the oracle's
     dh_ref = want[0]
     if sp:
-        dh_ref = dh_ref[rank * n_loc:(rank + 1) * n_loc]
+        dh_ref = dh_ref[rank * n_loc : (rank + 1) * n_loc]
     dh = got[0]
     if dh is None or dh.dtype != cd:
         fails.append(f"dH missing or of dtype {None if dh is None else dh.dtype}")
     else:
         dh_full = dh.float() if c["reduce_hidden_grad"] else _sum_over(dh, group)
-        if (r := close_report(dh_full, dh_ref.float(), grad_tol(cd, dh_ref) * factor * world, 0.0)):
+        if r := close_report(dh_full, dh_ref.float(), grad_tol(cd, dh_ref) * factor * world, 0.0):
             fails.append(f"dH: {r}")
     for name, x, y, sl in (("dW", got[1], want[1], slice(start, stop)), ("db", got[2], want[2], slice(start, stop))):
         if y is None:
@@ -531,7 +640,7 @@ def run_sharded_case(rank, world, group, c) -> list[str]:
         if x is None or x.dtype != cd:
             fails.append(f"{name} missing or wrong dtype")
             continue
-        if (r := close_report(x.float(), y[sl].float(), grad_tol(cd, y) * factor, 0.0)):
+        if r := close_report(x.float(), y[sl].float(), grad_tol(cd, y) * factor, 0.0):
             fails.append(f"{name}: {r}")
     return fails
 
@@ -562,8 +671,14 @@ def _sharded_body(rank, world, group, n_torch, n_triton, seed):
 def test_fuzz_sharded_gloo(tmp_path):
     n_torch = max(CI_SHARDED_TORCH, LONG // 4) if LONG else CI_SHARDED_TORCH
     n_triton = (max(CI_SHARDED_TRITON, LONG // 50) if LONG else CI_SHARDED_TRITON) if TRITON else 0
-    res = run_ranks(_sharded_body, WORLD, tmp_path, timeout=200 + 2 * LONG, pg_timeout=60,
-                    kw=dict(n_torch=n_torch, n_triton=n_triton, seed=7000))
+    res = run_ranks(
+        _sharded_body,
+        WORLD,
+        tmp_path,
+        timeout=200 + 2 * LONG,
+        pg_timeout=60,
+        kw=dict(n_torch=n_torch, n_triton=n_triton, seed=7000),
+    )
     fails = [f for r in res.values() for f in r["fails"]]
     ran = min(r["cases"] for r in res.values())
     failed = {case for r in res.values() for case in r["failed_cases"]}

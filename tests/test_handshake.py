@@ -66,15 +66,17 @@ def _body(rank, world, group):
         tt[0] += 2
         tt[1] -= 1
     report["cancelling_edits"] = _expect(
-        lambda: linear_cross_entropy(h, w[sl], tt, shard=shard, impl="torch"), InputError,
-        r"disagree on the target ids")
+        lambda: linear_cross_entropy(h, w[sl], tt, shard=shard, impl="torch"), InputError, r"disagree on the target ids"
+    )
     report["after_cancelling_edits"] = _healthy(shard, h, w, t, sl)
 
     # 2. impl resolving to torch on rank 0 and to triton on rank 1 (several token chunks on the torch side)
     impl = "torch" if rank == 0 else "triton"
     report["different_implementations"] = _expect(
         lambda: linear_cross_entropy(h, w[sl], t, shard=shard, impl=impl, chunk_size=3 * (V // world)),
-        InputError, r"disagree on the loss options.*implementation")
+        InputError,
+        r"disagree on the loss options.*implementation",
+    )
     report["after_different_implementations"] = _healthy(shard, h, w, t, sl)
 
     # 3. check=False: an id >= the global V (but a valid row index of neither shard) is still rejected on each rank
@@ -82,14 +84,17 @@ def _body(rank, world, group):
     bad = t.clone()
     bad[5] = V + 3
     report["check_false_id_too_large"] = _expect(
-        lambda: linear_cross_entropy(h, w[sl], bad, shard=unchecked, impl="torch"), ValueError,
-        rf"targets contain id {V + 3}, outside the vocabulary \[0, {V}\)")
+        lambda: linear_cross_entropy(h, w[sl], bad, shard=unchecked, impl="torch"),
+        ValueError,
+        rf"targets contain id {V + 3}, outside the vocabulary \[0, {V}\)",
+    )
     report["after_check_false"] = _healthy(shard, h, w, t, sl)
     # ids in another rank's shard are fine without the handshake too
     loss = linear_cross_entropy(h, w[sl], t, shard=unchecked, impl="torch")
     ref = oracle_cross_entropy(h, w, t)
-    report["check_false_valid"] = None if torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) else \
-        f"loss {float(loss)} vs oracle {float(ref)}"
+    report["check_false_valid"] = (
+        None if torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) else f"loss {float(loss)} vs oracle {float(ref)}"
+    )
     return report
 
 
@@ -109,8 +114,8 @@ def test_targets_checksum_is_not_fooled_by_cancelling_edits():
         for j in range(5):
             if i != j:
                 e = t.clone()
-                e[i] += (j + 1)
-                e[j] -= (i + 1)  # (j+1)*(i+1) - (i+1)*(j+1) = 0 with weights i+1, j+1
+                e[i] += j + 1
+                e[j] -= i + 1  # (j+1)*(i+1) - (i+1)*(j+1) = 0 with weights i+1, j+1
                 edits.append(e)
     swapped = t.clone()
     swapped[[3, 4]] = swapped[[4, 3]]

@@ -1,6 +1,7 @@
 """cce_dist.hf.patch against the unpatched transformers models (tiny random configs, CPU, fp32)."""
 
 import os
+
 import pytest
 import torch
 
@@ -9,8 +10,15 @@ transformers = pytest.importorskip("transformers")
 import cce_dist.hf as cce_hf  # noqa: E402
 
 VOCAB = 301
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -58,12 +66,21 @@ def assert_same(ref, got, ref_grads, got_grads):
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
     assert set(got_grads) == set(ref_grads)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # every family once; tied and untied heads both for Llama and Gemma 2 (the others as usually shipped)
-CASES = [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False), ("mistral", False), ("gemma", True),
-         ("gemma2", False), ("gemma2", True), ("gemma3_text", True)]
+CASES = [
+    ("llama", False),
+    ("llama", True),
+    ("qwen2", True),
+    ("qwen3", False),
+    ("mistral", False),
+    ("gemma", True),
+    ("gemma2", False),
+    ("gemma2", True),
+    ("gemma3_text", True),
+]
 
 
 @pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
@@ -116,8 +133,9 @@ def test_ignore_index_shift_labels_label_smoothing_and_tuple_output():
     shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     shift_labels = shift_labels.masked_fill(shift_labels == -100, -1)
     out = model(input_ids=ids, labels=labels, shift_labels=shift_labels, ignore_index=-1)
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift_labels.reshape(-1), ignore_index=-1,
-                                             label_smoothing=0.1)
+    want = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), shift_labels.reshape(-1), ignore_index=-1, label_smoothing=0.1
+    )
     torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
     tup = model(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(tup, tuple) and tup[0].dim() == 0
@@ -169,8 +187,9 @@ def test_trainer_example_runs(capsys):
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("hf_trainer_finetune",
-                                                  os.path.join(root, "examples", "hf_trainer_finetune.py"))
+    spec = importlib.util.spec_from_file_location(
+        "hf_trainer_finetune", os.path.join(root, "examples", "hf_trainer_finetune.py")
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     last = example.main(["--max-steps", "3", "--check"])  # --check: matches the unpatched model, loss falls
@@ -207,8 +226,9 @@ def _count_loss_calls(monkeypatch):
 def _lora(model, **kw):
     peft = pytest.importorskip("peft")
     # init_lora_weights=False: B != 0, so the adapter changes the forward and both A and B get gradients
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=kw.pop("target_modules", ["q_proj", "v_proj"]),
-                          init_lora_weights=False, **kw)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=kw.pop("target_modules", ["q_proj", "v_proj"]), init_lora_weights=False, **kw
+    )
     torch.manual_seed(7)  # the same adapter weights for the same model, whatever ran before
     return peft.get_peft_model(model, cfg)
 
@@ -328,8 +348,9 @@ def test_patch_survives_pickling_and_deepcopy(monkeypatch):
         assert clone(input_ids=ids, labels=labels).logits.shape == (2, 9, VOCAB)
 
 
-@pytest.mark.parametrize("extra", [{}, {"use_cache": False}, {"output_hidden_states": True}],
-                         ids=["cache", "no-cache", "hidden-states"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"use_cache": False}, {"output_hidden_states": True}], ids=["cache", "no-cache", "hidden-states"]
+)
 def test_tuple_output_keeps_the_original_positions(extra):
     """return_dict=False: (loss, None, *rest) where the unpatched model gives (loss, logits, *rest)."""
     model = make_model("qwen2", tied=True)
@@ -356,8 +377,9 @@ def test_trainer_example_with_lora_trains_through_cce_dist(capsys, monkeypatch):
     import math
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("hf_trainer_finetune",
-                                                  os.path.join(root, "examples", "hf_trainer_finetune.py"))
+    spec = importlib.util.spec_from_file_location(
+        "hf_trainer_finetune", os.path.join(root, "examples", "hf_trainer_finetune.py")
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     loss_calls = _count_loss_calls(monkeypatch)

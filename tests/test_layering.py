@@ -50,8 +50,13 @@ def _graph() -> dict[str, dict[str, list[str]]]:
 
 
 def test_no_private_name_imported_across_modules():
-    bad = [f"{mod} imports {name} from {src}" for mod, deps in _graph().items() for src, names in deps.items()
-           for name in names if name.startswith("_")]
+    bad = [
+        f"{mod} imports {name} from {src}"
+        for mod, deps in _graph().items()
+        for src, names in deps.items()
+        for name in names
+        if name.startswith("_")
+    ]
     assert not bad, "import the public name from cce_dist.prepare (or make it public where it lives): " + str(bad)
 
 
@@ -63,7 +68,7 @@ def test_imports_are_one_way():
         state[mod] = 1
         for dep in sorted(graph.get(mod, ())):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep, path + [dep])
         state[mod] = 2
@@ -90,9 +95,11 @@ def test_backend_satisfies_protocol_and_declares_what_it_accepts(backend):
     grads_params = inspect.signature(backend.grads).parameters
     assert set(backend.ROW_STATS_OPTIONS) <= set(row_params)
     assert set(backend.GRADS_OPTIONS) <= set(grads_params)
-    kw = backend_kwargs(backend, chunk_size=64, need_entropy=False, need_sum=False, filter_eps=0.5,
-                        deterministic=True)
+    kw = backend_kwargs(backend, chunk_size=64, need_entropy=False, need_sum=False, filter_eps=0.5, deterministic=True)
     assert set(kw["row_stats"]) == set(backend.ROW_STATS_OPTIONS)
-    extra = {name for name, on in (("filter_eps", backend.SUPPORTS_FILTERING),
-                                   ("deterministic", backend.DETERMINISTIC_OPTION)) if on}
+    extra = {
+        name
+        for name, on in (("filter_eps", backend.SUPPORTS_FILTERING), ("deterministic", backend.DETERMINISTIC_OPTION))
+        if on
+    }
     assert set(kw["grads"]) == set(backend.GRADS_OPTIONS) | extra

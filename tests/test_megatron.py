@@ -18,7 +18,6 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
-
 from dist_utils import run_ranks  # noqa: E402
 
 S, B, H, V, TP = 8, 3, 16, 48, 2  # V is the padded vocab; each rank holds V / TP rows
@@ -66,15 +65,26 @@ def _megatron_body(rank, world, group):
 
         def config(sp, dtype=torch.float32):
             return ModelParallelConfig(
-                tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True,
-                perform_initialization=True, gradient_accumulation_fusion=False, params_dtype=dtype,
+                tensor_model_parallel_size=TP,
+                sequence_parallel=sp,
+                use_cpu_initialization=True,
+                perform_initialization=True,
+                gradient_accumulation_fusion=False,
+                params_dtype=dtype,
             )
 
         def layer(sp, bias, tied, w_full, b_full, dtype=torch.float32, **extra):
             torch.manual_seed(0)  # _initialize_affine_weight_cpu draws the master weight on every rank
-            lyr = ColumnParallelLinear(H, V, config=config(sp, dtype), init_method=torch.nn.init.xavier_normal_,
-                                       bias=bias, gather_output=False, skip_weight_param_allocation=tied,
-                                       **extra)
+            lyr = ColumnParallelLinear(
+                H,
+                V,
+                config=config(sp, dtype),
+                init_method=torch.nn.init.xavier_normal_,
+                bias=bias,
+                gather_output=False,
+                skip_weight_param_allocation=tied,
+                **extra,
+            )
             assert lyr.sequence_parallel == sp
             with torch.no_grad():
                 if not tied:
@@ -133,8 +143,9 @@ def _megatron_body(rank, world, group):
             bf = b_full.clone().requires_grad_(True)
             z = F.linear(hf, wf, bf)  # [s, b, V]
             t = labels_ign.transpose(0, 1)
-            oracle = F.cross_entropy(z.reshape(-1, V), t.reshape(-1), ignore_index=IGNORE, reduction="none",
-                                     label_smoothing=0.1).reshape(S, B)
+            oracle = F.cross_entropy(
+                z.reshape(-1, V), t.reshape(-1), ignore_index=IGNORE, reduction="none", label_smoothing=0.1
+            ).reshape(S, B)
             lse = torch.logsumexp(z, dim=-1)
             oracle = (oracle + 1e-3 * lse.square() * (t != IGNORE)).transpose(0, 1)
             (oracle * grad_up).sum().backward()
@@ -142,8 +153,9 @@ def _megatron_body(rank, world, group):
             if not sp:  # what the docstring says: Megatron smooths per partition, so it differs
                 with torch.no_grad():
                     logits, _ = lyr(hidden)
-                    meg = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
-                                                       label_smoothing=0.1).transpose(0, 1)
+                    meg = vocab_parallel_cross_entropy(
+                        logits, labels.transpose(0, 1).contiguous(), label_smoothing=0.1
+                    ).transpose(0, 1)
                     both = [torch.empty_like(meg) for _ in range(TP)]
                     torch.distributed.all_gather(both, meg.contiguous(), group=tp_group)
                 assert not torch.allclose(both[0], both[1], atol=1e-3), "Megatron's smoothing is per rank"
@@ -162,8 +174,9 @@ def _megatron_body(rank, world, group):
         shifted = torch.full_like(labels_ign, IGNORE)
         shifted[:, :-1] = labels_ign[:, 1:]
         with torch.no_grad():
-            _close("shift", output_layer_loss(lyr, hidden, labels_ign, shift=1),
-                   output_layer_loss(lyr, hidden, shifted))
+            _close(
+                "shift", output_layer_loss(lyr, hidden, labels_ign, shift=1), output_layer_loss(lyr, hidden, shifted)
+            )
         # a layer without a tp_group attribute (megatron-core 0.12): parallel_state's TP group
         if hasattr(lyr, "tp_group"):  # >= 0.13
             assert lyr.tp_group is tp_group
@@ -199,8 +212,11 @@ def _megatron_body(rank, world, group):
         (loss * grad_up).sum().backward()
         assert loss.dtype == torch.float32 and h.grad.dtype == lyr.weight.grad.dtype == torch.bfloat16
         _close("[bf16] loss", loss[~ignored], want_loss[~ignored].float(), atol=3e-2, rtol=1e-2)
-        for name, got, want in (("dH", h.grad, want_dh), ("dW", lyr.weight.grad, want_dw),
-                                ("db", lyr.bias.grad, want_db)):
+        for name, got, want in (
+            ("dH", h.grad, want_dh),
+            ("dW", lyr.weight.grad, want_dw),
+            ("db", lyr.bias.grad, want_db),
+        ):
             scale = want.float().abs().max().item()
             _close(f"[bf16] {name}", got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
         cases += 1
@@ -221,12 +237,15 @@ class _FakeLayer:
     tp_group = None
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(reduction="mean"), "reduction='none'"),
-    (dict(reduction="sum"), "reduction='none'"),
-    (dict(shard=None), "shard"),
-    (dict(bias=None), "bias"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(reduction="mean"), "reduction='none'"),
+        (dict(reduction="sum"), "reduction='none'"),
+        (dict(shard=None), "shard"),
+        (dict(bias=None), "bias"),
+    ],
+)
 def test_rejects_conflicting_options(bad, match):
     from cce_dist.megatron import output_layer_loss
 
@@ -236,8 +255,9 @@ def test_rejects_conflicting_options(bad, match):
 
 def test_single_device_layer_without_group():
     """tp=1 (no group): the plain full-vocab loss, [b, s]."""
-    from cce_dist.megatron import output_layer_loss
     import torch.nn.functional as F
+
+    from cce_dist.megatron import output_layer_loss
 
     g = torch.Generator().manual_seed(0)
     lyr = _FakeLayer()
@@ -245,8 +265,9 @@ def test_single_device_layer_without_group():
     h = torch.randn(4, 2, 3, generator=g)
     labels = torch.randint(0, 5, (2, 4), generator=g)
     got = output_layer_loss(lyr, h, labels)
-    want = F.cross_entropy(F.linear(h, lyr.weight).reshape(-1, 5), labels.T.reshape(-1),
-                           reduction="none").reshape(4, 2).T
+    want = (
+        F.cross_entropy(F.linear(h, lyr.weight).reshape(-1, 5), labels.T.reshape(-1), reduction="none").reshape(4, 2).T
+    )
     _close("loss", got, want)
 
 
@@ -270,8 +291,9 @@ def test_missing_megatron_is_a_clear_import_error(monkeypatch):
 
 
 def test_importing_cce_dist_does_not_import_megatron():
-    code = ("import sys, cce_dist, cce_dist.megatron; "
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'megatron']; assert not bad, bad")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ))
+    code = (
+        "import sys, cce_dist, cce_dist.megatron; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'megatron']; assert not bad, bad"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -151,11 +151,19 @@ def _build(tp, sp, mtp, tied, extra):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=H, num_attention_heads=HEADS, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=sp,
-        mtp_num_layers=MTP_LAYERS if mtp else None, mtp_loss_scaling_factor=0.1,  # 0.12 has no default
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        mtp_num_layers=MTP_LAYERS if mtp else None,
+        mtp_loss_scaling_factor=0.1,  # 0.12 has no default
         calculate_per_token_loss=extra == "per_token_loss",
-        params_dtype=torch.bfloat16 if extra == "bf16" else torch.float32, bf16=extra == "bf16",
+        params_dtype=torch.bfloat16 if extra == "bf16" else torch.float32,
+        bf16=extra == "bf16",
     )
     spec = get_gpt_layer_local_spec()
     mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp else None
@@ -165,11 +173,24 @@ def _build(tp, sp, mtp, tied, extra):
         spec, mtp_spec = _swap_norms(spec), _swap_norms(mtp_spec)
     vocab = math.ceil(V_REAL / tp) * tp  # Megatron's padding of the vocab to the tp size
     torch.manual_seed(1234)  # CPU initialization draws each full weight on every rank, then splits it
-    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=S,
-                     share_embeddings_and_output_weights=tied, mtp_block_spec=mtp_spec)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=S,
+        share_embeddings_and_output_weights=tied,
+        mtp_block_spec=mtp_spec,
+    )
     if extra == "bias":
-        layer = ColumnParallelLinear(H, vocab, config=config, init_method=config.init_method, bias=True,
-                                     gather_output=False, skip_weight_param_allocation=tied)
+        layer = ColumnParallelLinear(
+            H,
+            vocab,
+            config=config,
+            init_method=config.init_method,
+            bias=True,
+            gather_output=False,
+            skip_weight_param_allocation=tied,
+        )
         with torch.no_grad():
             layer.bias.normal_(0.0, 0.5)  # Megatron zero-initialises it; make it matter
         model.output_layer = layer
@@ -416,8 +437,9 @@ def outcomes(tmp_path_factory):
     def get(tp):
         if tp not in _OUTCOMES:
             names = [n for n, c in CASES.items() if c[0] == tp]
-            per_rank = run_ranks(_spawned_body, tp, tmp_path_factory.mktemp(f"tp{tp}"), kw={"names": names},
-                                 timeout=480, pg_timeout=240)
+            per_rank = run_ranks(
+                _spawned_body, tp, tmp_path_factory.mktemp(f"tp{tp}"), kw={"names": names}, timeout=480, pg_timeout=240
+            )
             _OUTCOMES[tp] = per_rank
         return _OUTCOMES[tp]
 
@@ -425,8 +447,9 @@ def outcomes(tmp_path_factory):
 
 
 # under pytest-xdist, --dist loadgroup keeps each tensor-parallel size's cases on one worker (one spawn)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"megatron_patch_tp{c[0]}"))
-                                  for n, c in CASES.items()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xdist_group(f"megatron_patch_tp{c[0]}")) for n, c in CASES.items()]
+)
 def test_patched_gpt_model_matches_megatron(outcomes, name):
     per_rank = outcomes(CASES[name][0])
     for rank, result in sorted(per_rank.items()):

@@ -48,8 +48,10 @@ def _library(impl="torch"):
 
 def _oracle(h, w, b, t):
     t = t.long()
-    return (oracle_cross_entropy(h, w, t, b, reduction="none", shift=1),
-            oracle_logprobs(h, w, t, b, return_entropy=True))
+    return (
+        oracle_cross_entropy(h, w, t, b, reduction="none", shift=1),
+        oracle_logprobs(h, w, t, b, return_entropy=True),
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -94,8 +96,11 @@ def test_uint8_id_equal_to_wrapped_ignore_index_is_rejected_under_compile():
     torch._dynamo.reset()
     h, w, b, t = _uint8_out_of_range()
     fn = torch.compile(_library(), fullgraph=True, backend="aot_eager")
-    with pytest.raises(ValueError, match=r"targets must be in \[0, 100\) or equal ignore_index \(-100\); got ids in "
-                                         r"\[\d+, 156\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"targets must be in \[0, 100\) or equal ignore_index \(-100\); got ids in "
+        r"\[\d+, 156\]",
+    ):
         fn(h, w, b, t)
 
 
