@@ -171,21 +171,7 @@ def _ce_rows(
 
 
 @_ce_rows.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    targets,
-    compute_dtype,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    impl,
-    chunk_size,
-    filter_eps,
-    deterministic,
-):
+def _(hidden, *rest):  # shapes only: the outputs depend on the number of rows alone
     n = hidden.shape[0]
     return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
 
@@ -245,28 +231,9 @@ def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
 
 
 @_ce_rows_backward.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    g_loss,
-    g_lse,
-    compute_dtype,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    impl,
-    chunk_size,
-    filter_eps,
-    deterministic,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
-    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+def _(hidden, weight, bias, *rest):
+    # shapes only; the op's last three arguments are need_hidden, need_weight, need_bias
+    return _fake_grads(hidden, weight, bias, *rest[-3:])
 
 
 def _ce_setup_context(ctx, inputs, output):
@@ -336,21 +303,7 @@ def _logprob_rows(
 
 
 @_logprob_rows.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    targets,
-    compute_dtype,
-    ignore_index,
-    softcap,
-    temperature,
-    return_entropy,
-    impl,
-    chunk_size,
-    filter_eps,
-    deterministic,
-):
+def _(hidden, *rest):  # shapes only: the outputs depend on the number of rows alone
     n = hidden.shape[0]
     f32 = torch.float32
     return (hidden.new_empty(n, dtype=f32), hidden.new_empty(n, dtype=f32), hidden.new_empty(n, S.NUM_STATS, dtype=f32))
@@ -401,28 +354,9 @@ def _logprob_rows_backward(
 
 
 @_logprob_rows_backward.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    targets,
-    stats,
-    g_lp,
-    g_ent,
-    compute_dtype,
-    ignore_index,
-    softcap,
-    temperature,
-    return_entropy,
-    impl,
-    chunk_size,
-    filter_eps,
-    deterministic,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
-    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+def _(hidden, weight, bias, *rest):
+    # shapes only; the op's last three arguments are need_hidden, need_weight, need_bias
+    return _fake_grads(hidden, weight, bias, *rest[-3:])
 
 
 def _lp_setup_context(ctx, inputs, output):
