@@ -262,13 +262,18 @@ def _finish_dz(
     (:func:`_inactive_rows_zeroed`).
     """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
+    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
+    p_t = dz[rows, cols] if p_scale is None else dz[rows, cols] * p_scale[cols]  # p at the targets (a copy)
     if z is not None:  # entropy term: p * (alpha + delta * (z - lse)); p == 0 gives 0, not 0 * inf
         assert p_scale is None
         dz.mul_(torch.addcmul(alpha, delta, z).masked_fill_(dz == 0, 0.0))
     else:
         dz.mul_(alpha if p_scale is None else alpha * p_scale)
-    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
-    dz[rows, cols] += beta[cols]
+    # At the target: (p - 1)*ALPHA + BETA (+ the DELTA term), p - 1 exact near p = 1 (no cancellation)
+    t_term = torch.addcmul(beta[cols], p_t - 1.0, alpha[cols])
+    if z is not None:
+        t_term += torch.where(p_t != 0, p_t * delta[cols] * z[rows, cols], 0.0)
+    dz[rows, cols] = t_term
     if bool((gamma != 0).any()):
         dz.add_(gamma)
     if th is not None:
