@@ -45,7 +45,7 @@ def _inputs(sharp: float, seed: int = 0):
 
 def _skip_share(logits: torch.Tensor, t: torch.Tensor, eps: float, bn: int, bv: int) -> float:
     """Share of (token tile, vocab tile) pairs the kernel's rule skips for mean cross-entropy
-    (ALPHA = 1/N, BETA = -1/N: a tile is skipped when every p <= eps and it holds no target)."""
+    (ALPHA = 1/N, BETA = 0: a tile is skipped when every p <= eps and it holds no target)."""
     p = torch.softmax(logits, dim=1)
     skipped = total = 0
     for i in range(0, N, bn):

@@ -26,16 +26,19 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
 
     With ``p = exp(z - lse)`` and ``onehot`` the target indicator, the gradient w.r.t. ``z`` is
 
-        dz = p * (ALPHA + DELTA * (z - lse)) + BETA * onehot + GAMMA
+        dz = (p - onehot) * ALPHA + p * DELTA * (z - lse) + BETA * onehot + GAMMA
 
+    i.e. ``p * (ALPHA + DELTA * (z - lse)) + GAMMA`` off the target, and BETA is the target's
+    excess over ALPHA: the target's ``(p - 1) * ALPHA`` is formed with ``p - 1`` exact near p = 1,
+    so no term of the target's gradient cancels against ALPHA (each formula forms BETA directly).
     (``z - lse = log p`` keeps the DELTA term small where ``p`` matters, however large the logits;
-    a zero ``p`` contributes exactly 0 to the first term, even where ``z - lse`` is -inf.)
+    a zero ``p`` contributes exactly 0 to the p-terms, even where ``z - lse`` is -inf.)
 
     then chained through temperature and softcap: ``d raw = dz / temperature * (1 - (c/softcap)^2)``
     (the softcap factor only with a softcap), and ``d_hidden = d raw @ weight``,
     ``d_weight = d raw.T @ hidden``, ``d_bias = d raw.sum(0)``, all accumulated in float32.
     ``filter_eps``: a kernel may skip a tile whose softmax terms are all small *relative to the
-    row's coefficients*, ``|p * (ALPHA + DELTA*(z - lse))| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)``
+    row's coefficients*, ``|p * (ALPHA + DELTA*(z - lse))| <= filter_eps * max(|ALPHA|, |BETA - ALPHA|, |DELTA|)``
     (for cross-entropy: ``p <= filter_eps``, the CCE paper's rule, whatever the upstream scale);
     the BETA (target) and GAMMA (uniform smoothing) terms must stay exact. None = exact.
     ``deterministic``: no float atomics, bitwise repeatable (the torch implementation always is).
@@ -43,10 +46,10 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
 The coefficients for each output form (``g`` = upstream gradient of that output per row):
 
 - cross-entropy ``(1-eps)*(lse - z_t) + eps*(lse - mean z) + zl*lse^2``:
-  ALPHA = g*(1 + 2*zl*lse), BETA = -g*(1-eps), GAMMA = -g*eps/V_total, DELTA = 0
-- returned lse: ALPHA += g_lse
-- logprob ``z_t - lse``: ALPHA = -g, BETA = g
-- entropy ``H = lse - E_p[z]``: ALPHA -= g_ent * H, DELTA = -g_ent
+  ALPHA = g*(1 + 2*zl*lse), BETA = g*(2*zl*lse + eps), GAMMA = -g*eps/V_total, DELTA = 0
+- returned lse: ALPHA += g_lse, BETA += g_lse
+- logprob ``z_t - lse``: ALPHA = -g, BETA = 0
+- entropy ``H = lse - E_p[z]``: ALPHA -= g_ent * H, BETA -= g_ent * H, DELTA = -g_ent
   (d H / d z_j = -p_j * (z_j - lse + H))
 """
 

@@ -192,6 +192,9 @@ def chunk(
             return glob.transpose(0, 1), rows, None
         # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
         a_s = c_s * (gs + wg) if (wg is not None and p1 is None) else c_s * gs
+        if wg is not None and p1 is None:  # the target's value, with wg*(p_s - 1) formed exactly near p_s = 1
+            p_st = ps[t_rows, t_cols] * c_s[t_cols]
+            t_val = gs[t_cols] * (p_st - pt[t_rows, t_cols] * c_t[t_cols]) + wg[t_cols] * (p_st - 1.0)
         dz = ps.mul_(a_s).addcmul_(pt, -(c_t * gs))
     else:
         zs.sub_(lse_s - m_s)  # log p_s
@@ -218,10 +221,11 @@ def chunk(
         dz.mul_(gs)
         if wg is not None and p1 is None:
             p1 = ps
-    if p1 is not None:
+    if p1 is not None:  # wg * (p1 - onehot): at the target (p1 - 1) * wg, exact near p1 = 1 (no cancellation)
+        t_val = dz[t_rows, t_cols] + wg[t_cols] * (p1[t_rows, t_cols] - 1.0)
         dz.addcmul_(p1, wg)
     if wg is not None:
-        dz[t_rows, t_cols] -= wg[t_cols]
+        dz[t_rows, t_cols] = t_val
     if th is not None:
         dz.mul_(th.square_().neg_().add_(1.0))
     return glob.transpose(0, 1), rows, dz

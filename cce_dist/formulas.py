@@ -51,7 +51,13 @@ def cross_entropy_coef(
     if g_lse is not None:  # the returned lse is differentiable on every row, ignored or not
         alpha = alpha + g_lse.float()
     coef[:, ALPHA] = alpha
-    coef[:, BETA] = -(1.0 - label_smoothing) * g
+    # BETA is the target's excess over ALPHA, formed without the cancellation of ALPHA - g*(1-eps)
+    beta = label_smoothing * g
+    if z_loss:
+        beta = beta + torch.where(valid, g * (2.0 * z_loss * lse), torch.zeros_like(g))
+    if g_lse is not None:
+        beta = beta + g_lse.float()
+    coef[:, BETA] = beta
     if label_smoothing:
         coef[:, GAMMA] = -label_smoothing / vocab_size * g
     return coef
@@ -68,7 +74,8 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """Coefficients of d(logprob, entropy)/dz: dz = p*(ALPHA + DELTA*(z - lse)) + BETA*onehot.
+    """Coefficients of d(logprob, entropy)/dz (layout: :mod:`cce_dist.backend`; at the target the
+    logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
 
     Centred on lse (d H/d z_j = -p_j (z_j - lse + H)), no term is of the logits' magnitude: with
     absolute logits, ``g*E_p[z] - g*z`` cancelled and lost the logprob term at |z| ~ 1e37."""
@@ -76,11 +83,11 @@ def logprob_coef(
     coef = stats.new_zeros(n, NUM_COEFS)
     zero = stats.new_zeros(n)
     g_lp = torch.where(valid, g_logprob.float(), zero) if g_logprob is not None else zero
-    alpha = -g_lp
+    ent_term = zero  # -g_ent * H: the part of ALPHA the target's term keeps (BETA = ALPHA + g_lp, formed exactly)
     if g_entropy is not None:
         g_ent = torch.where(valid, g_entropy.float(), zero)
-        alpha = alpha - torch.where(g_ent != 0, g_ent * S.entropy(stats), zero)
+        ent_term = -torch.where(g_ent != 0, g_ent * S.entropy(stats), zero)
         coef[:, DELTA] = -g_ent
-    coef[:, ALPHA] = alpha
-    coef[:, BETA] = g_lp
+    coef[:, ALPHA] = ent_term - g_lp
+    coef[:, BETA] = ent_term
     return coef

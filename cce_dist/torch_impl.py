@@ -191,6 +191,17 @@ def row_stats(
     return out
 
 
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> Optional[torch.Tensor]:
+    """``a @ b`` of bf16/fp16 operands as one GEMM with a float32 result, or None where the build
+    has no such kernel (the CPU build: the caller upcasts the operands, which gives the same values)."""
+    if not a.is_cuda:
+        return None
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError):  # an older build, or a dtype / device without the kernel
+        return None
+
+
 class _GradAccumulator:
     """float32 accumulators for dH rows, dW and db, written in place where the dtype allows."""
 
@@ -209,22 +220,27 @@ class _GradAccumulator:
         low = weight.dtype != torch.float32
         dzc = dz.to(weight.dtype) if low else dz
         if self.dh is not None:
-            if low:
+            if low:  # a complete sum over this shard's vocab in one GEMM: one rounding, as materialized
                 self.dh[sl] = torch.mm(dzc.t(), weight)
             else:
                 torch.mm(dzc.t(), weight, out=self.dh[sl])
         if self.dw is not None:
             first, self._dw_written = not self._dw_written, True
-            if low:
-                part = torch.mm(dzc, hidden_chunk)
+            # The chunk's sum over its tokens stays float32 (never rounded to the head dtype) before
+            # it joins the float32 accumulation over chunks.
+            part = _mm_float32_out(dzc, hidden_chunk) if low else None
+            if part is not None:
                 if first:
                     self.dw.copy_(part)
                 else:
                     self.dw.add_(part)
-            elif first:
-                torch.mm(dzc, hidden_chunk, out=self.dw)
             else:
-                self.dw.addmm_(dzc, hidden_chunk)
+                # bf16/fp16 products are exact in float32: the same values as a float32-output GEMM
+                a, b = (dzc.float(), hidden_chunk.float()) if low else (dzc, hidden_chunk)
+                if first:
+                    torch.mm(a, b, out=self.dw)
+                else:
+                    self.dw.addmm_(a, b)
 
     def result(self):
         if self.dw is not None and not self._dw_written:
@@ -255,13 +271,18 @@ def _finish_dz(
     (:func:`_inactive_rows_zeroed`).
     """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
+    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
+    p_t = dz[rows, cols] if p_scale is None else dz[rows, cols] * p_scale[cols]  # p at the targets (a copy)
     if z is not None:  # entropy term: p * (alpha + delta * (z - lse)); p == 0 gives 0, not 0 * inf
         assert p_scale is None
         dz.mul_(torch.addcmul(alpha, delta, z).masked_fill_(dz == 0, 0.0))
     else:
         dz.mul_(alpha if p_scale is None else alpha * p_scale)
-    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
-    dz[rows, cols] += beta[cols]
+    # At the target: (p - 1)*ALPHA + BETA (+ the DELTA term), p - 1 exact near p = 1 (no cancellation)
+    t_term = torch.addcmul(beta[cols], p_t - 1.0, alpha[cols])
+    if z is not None:
+        t_term += torch.where(p_t != 0, p_t * delta[cols] * z[rows, cols], 0.0)
+    dz[rows, cols] = t_term
     if bool((gamma != 0).any()):
         dz.add_(gamma)
     if th is not None:

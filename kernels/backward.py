@@ -5,7 +5,8 @@ For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coeff
 
     z, t  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
     p     = exp(z - lse_I)
-    dz    = p * (ALPHA + DELTA * (z - lse_I)) + BETA * [j == t_i] + GAMMA   (0 where p == 0)
+    dz    = (p - [j == t_i]) * ALPHA + p * DELTA * (z - lse_I) + BETA * [j == t_i] + GAMMA
+            (the p-terms 0 where p == 0)
     draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled)
     dH_I += draw @ W_J        dW_J += draw.T @ h_I        db_J += colsum(draw)
 
@@ -27,10 +28,10 @@ Two schedules:
   fewer programs; again no scratch memory beyond the gradients.
 
 Gradient filtering (``filter_eps``): a tile is skipped when every p-term in it is small relative
-to its row's coefficients, |p * (ALPHA + DELTA * (z - lse))| <= filter_eps * max(|ALPHA|, |BETA|, |DELTA|)
+to its row's coefficients, |p * (ALPHA + DELTA * (z - lse))| <= filter_eps * max(|ALPHA|, |BETA - ALPHA|, |DELTA|)
 (for cross-entropy and logprobs that is p * |1 + 2 zl lse| <= filter_eps roughly: the CCE paper's
 "p below the dtype's resolution", independent of the upstream gradient's scale, e.g. 1/N of a
-mean), unless it holds a target with BETA != 0, so the target term stays exact. Rows with all-zero
+mean), unless it holds a target with BETA != ALPHA, so the target term stays exact. Rows with all-zero
 coefficients never keep a tile alive. The GAMMA (uniform label
 smoothing) term is handled exactly too: without a softcap it is dropped from the tiles and added
 analytically by the launcher (dH_i += GAMMA_i / T * colsum(W), dW_j += sum_i GAMMA_i / T * h_i,
@@ -99,7 +100,11 @@ def _dz_tile(
     # p == 0 (a -inf logit, e.g. a masked token's -inf bias) contributes exactly 0, not 0 * inf.
     # (!= rather than >: a NaN p must still propagate.)
     pterm = tl.where(ok & (p != 0.0), p * (alpha[:, None] + delta[:, None] * zc), 0.0)
-    dz = pterm + tl.where(hit, beta[:, None], 0.0)
+    # At the target: (p - 1) * ALPHA + BETA (+ the DELTA term); p - 1 is exact near p = 1, so the
+    # small terms of BETA (z-loss, smoothing, entropy) are not lost to a cancellation with ALPHA.
+    dterm = tl.where(ok & (p != 0.0), p * delta[:, None] * zc, 0.0)
+    tterm = (p - 1.0) * alpha[:, None] + beta[:, None] + dterm
+    dz = tl.where(hit, tterm, pterm)
     if GAMMA_IN_TILE:
         dz += tl.where(ok, gamma[:, None], 0.0)
     if HAS_TEMP:
@@ -111,10 +116,11 @@ def _dz_tile(
     if FILTER:
         # Relative to each row's coefficient scale, so the threshold does not depend on the
         # upstream gradient's magnitude (a mean over many tokens makes every ALPHA tiny).
-        scale = tl.maximum(tl.maximum(tl.abs(alpha), tl.abs(beta)), tl.abs(delta))
+        # beta - alpha: the target term's coefficient on its own (BETA is the target's excess over ALPHA)
+        scale = tl.maximum(tl.maximum(tl.abs(alpha), tl.abs(beta - alpha)), tl.abs(delta))
         small = tl.abs(pterm) <= filter_eps * scale[:, None]
         keep = tl.min(tl.where(small, 1, 0)) == 0
-        keep = keep | (tl.max(tl.where(hit & (beta[:, None] != 0.0), 1, 0)) > 0)
+        keep = keep | (tl.max(tl.where(hit & (beta[:, None] != alpha[:, None]), 1, 0)) > 0)
         if GAMMA_IN_TILE:
             keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
     else:

@@ -98,8 +98,8 @@ def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alp
     rows = ok.nonzero()[:, 0]
     onehot[rows, loc[rows]] = 1.0
     dz = coef[:, BETA, None] * onehot + coef[:, GAMMA, None]
-    if alpha_delta:
-        dz = dz + p * (coef[:, ALPHA, None] + coef[:, DELTA, None] * (z - lse.double()[:, None]))
+    if alpha_delta:  # BETA is the target's excess over ALPHA: (p - onehot) * ALPHA
+        dz = dz + (p - onehot) * coef[:, ALPHA, None] + p * coef[:, DELTA, None] * (z - lse.double()[:, None])
     draw = dz / temperature
     if softcap:
         draw = draw * (1 - (c / softcap) ** 2)
@@ -123,8 +123,8 @@ def materialized_grads(h, w, b, t, lse, coef, vocab_start, softcap, temperature)
     onehot = torch.zeros_like(z)
     rows = ok.nonzero()[:, 0]
     onehot[rows, loc[rows]] = 1.0
-    dz = p * (coef[:, ALPHA, None] + coef[:, DELTA, None] * (z - lse[:, None])) + coef[:, BETA, None] * onehot
-    dz = dz + coef[:, GAMMA, None]
+    dz = (p - onehot) * coef[:, ALPHA, None] + p * coef[:, DELTA, None] * (z - lse[:, None])
+    dz = dz + coef[:, BETA, None] * onehot + coef[:, GAMMA, None]
     draw = dz / temperature
     if softcap:
         draw = draw * (1 - (c / softcap) ** 2)
@@ -477,7 +477,8 @@ def test_filter_error_is_bounded_and_filter_skips():
     lse = shard_lse(hc, wc, bc, None, temp, extra=3.0)  # p <= e^-3: most tiles are small
     coef = make_coef(n, seed=4).cpu()
     exact = oracle_grads(hc, wc, bc, tc, lse, coef, vs, None, temp)
-    rowscale = coef[:, [ALPHA, BETA, DELTA]].abs().amax(1).double() * eps / temp
+    tcoef = coef[:, BETA] - coef[:, ALPHA]  # the target term's own coefficient
+    rowscale = torch.stack([coef[:, ALPHA], tcoef, coef[:, DELTA]], 1).abs().amax(1).double() * eps / temp
     bound_dh = v * rowscale[:, None] * wc.double().abs().amax(0)[None, :]
     bound_dw = (rowscale[:, None] * hc.double().abs()).sum(0)[None, :].expand(v, d)
     bound_db = rowscale.sum()
@@ -560,7 +561,7 @@ def _chunked_reference(h, w, b, t, vs, softcap, temperature, lse, coef, chunk=10
         cf = coef[sl]
         dz = p * (cf[:, ALPHA, None] + cf[:, DELTA, None] * (z - lse[sl, None])) + cf[:, GAMMA, None]
         rows = ok.nonzero()[:, 0]
-        dz[rows, loc[rows]] += cf[rows, BETA]
+        dz[rows, loc[rows]] += cf[rows, BETA] - cf[rows, ALPHA]  # BETA: the target's excess over ALPHA
         draw = dz / temperature
         if softcap:
             draw = draw * (1 - (c / softcap) ** 2)

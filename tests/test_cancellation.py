@@ -1,0 +1,176 @@
+"""Gradients whose terms cancel, against the materialized program in float64: the error must stay
+at the level of float32 rounding of the *result*, not of the cancelled terms.
+
+- dW of a bf16 head is summed over tokens in float32: a token chunk's partial sum must not be
+  rounded to bf16 before it joins the accumulation (with small chunks whose partials cancel, that
+  rounding made dW ~16x worse than the materialized bf16 program).
+- When ``p`` is ~1 at the target, ``p * ALPHA - g`` cancels: the z-loss, label-smoothing and
+  entropy terms of the target's gradient must not be formed after that cancellation (the backend
+  contract's BETA is the target's excess over ALPHA, and ``p - 1`` is exact near 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TRITON
+
+from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs, torch_impl
+
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="no cce_dist.kernels"))]
+U32 = 2.0**-24  # unit roundoff of float32
+
+
+def _exact_cross_entropy(h, w, t, *, label_smoothing=0.0, z_loss=0.0, return_lse=False, reduction="mean"):
+    """The materialized loss entirely in float64 (``oracle_cross_entropy`` forms its logits and
+    softmax in float32, whose own rounding near p = 1 is what these tests look at)."""
+    z = h @ w.T
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    rows = -(1 - label_smoothing) * logp.gather(1, t[:, None])[:, 0] - label_smoothing * logp.mean(-1)
+    rows = rows + z_loss * lse * lse
+    loss = rows.sum() if reduction == "sum" else rows.mean()
+    return (loss, lse) if return_lse else loss
+
+
+def _exact_logprobs(h, w, t, *, return_entropy=False):
+    """Target logprob and entropy entirely in float64."""
+    logp = torch.log_softmax(h @ w.T, -1)
+    lp = logp.gather(1, t[:, None])[:, 0]
+    return (lp, -(logp.exp() * logp).sum(-1)) if return_entropy else lp
+
+
+def _grads(fn, h, w, t, ups, **kw):
+    """(dH, dW) of ``sum(out_k * ups[k])`` for float32 (library) or float64 (oracle) leaves."""
+    h1, w1 = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    out = fn(h1, w1, t, **kw)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    torch.autograd.backward(outs, [u.to(o.dtype).expand_as(o) for o, u in zip(outs, ups)])
+    return h1.grad, w1.grad
+
+
+def test_dw_token_chunk_partials_accumulate_in_float32():
+    """bf16 head, V = 1, 3 tokens per chunk, chunk partials of magnitude ~3 that cancel across
+    chunks: every product dz_i * h_i is exact in float32 (dz = +-1, h_i with 8 significant bits),
+    so float32 accumulation of N terms is within N * u32 * sum |dz_i h_i| of the exact sum, while a
+    bf16 rounding of a chunk's partial errs by up to 2^-7 (half a bf16 ulp at 3)."""
+    n, d = 24, 8
+    i = torch.arange(n)[:, None]
+    j = torch.arange(d)[None, :]
+    h = (1.0 + ((3 * i + j) % 7 + 1) * 2.0**-7).to(torch.bfloat16)  # exact in bf16
+    w = torch.full((1, d), 0.125, dtype=torch.bfloat16)
+    targets = torch.full((n,), -100)  # no target in the shard: dz = p * ALPHA, and p = 1 (V = 1)
+    z = (h.float() @ w.float().T)[:, 0].to(torch.bfloat16).float()
+    coef = torch.zeros(n, 4)
+    sign = torch.where((torch.arange(n) // 3) % 2 == 0, 1.0, -1.0)  # alternate sign per chunk
+    coef[:, 0] = sign  # ALPHA
+    _, dw, _ = torch_impl.grads(h, w, None, targets, z, coef, vocab_start=0, softcap=None, temperature=1.0,
+                                need_hidden=False, need_weight=True, need_bias=False, chunk_size=3)
+    exact = (sign.double()[:, None] * h.double()).sum(0)
+    bound = n * U32 * h.double().abs().sum(0)
+    assert ((dw[0].double() - exact).abs() <= bound).all(), (dw[0] - exact).abs().max()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("grad_in_forward", [None, False])  # torch: the fused-in-forward and the two-pass paths
+def test_z_loss_gradient_of_a_certain_token(impl, grad_in_forward):
+    """V = 1 (p = 1 exactly): the gradient is the z-loss term alone, 2*zl*lse*w. Formed from the
+    coefficients without a cancellation it is float32-accurate (a few roundings: 1e-6 relative);
+    formed as p*g*(1 + 2*zl*lse) - g it lost ~6e-8 absolutely (5.7e-4 relative)."""
+    h = torch.tensor([[0.2352]])
+    w = torch.tensor([[1.6]])
+    t = torch.tensor([0])
+    dh, dw = _grads(linear_cross_entropy, h, w, t, [torch.tensor(1.0)], z_loss=1e-4, impl=impl,
+                    grad_in_forward=grad_in_forward)
+    rh, rw = _grads(_exact_cross_entropy, h.double(), w.double(), t, [torch.tensor(1.0)], z_loss=1e-4)
+    for got, ref in ((dh, rh), (dw, rw)):
+        assert ((got.double() - ref).abs() <= 1e-6 * ref.abs()).all(), (got, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("eps", [0.2, 1e-6])
+@pytest.mark.parametrize("grad_in_forward", [None, False])  # torch: the fused-in-forward and the two-pass paths
+def test_label_smoothing_gradient_of_a_certain_token(impl, eps, grad_in_forward):
+    """V = 1: the exact gradient is 0 (the smoothing's pull to the target and its uniform term
+    cancel). The target's excess g*eps and the uniform term -g*eps/V are each one float32
+    rounding of ~g*eps: half an ulp of g*eps is the most fp32 can be off. Formed after p*g - g*(1-eps),
+    the error was an ulp of g (2.4e-8 * |w| at eps = 0.2), which does not shrink with eps."""
+    h = torch.tensor([[0.2352]])
+    w = torch.tensor([[1.6]])
+    t = torch.tensor([0])
+    dh, dw = _grads(linear_cross_entropy, h, w, t, [torch.tensor(1.0)], label_smoothing=eps, impl=impl,
+                    grad_in_forward=grad_in_forward)
+    rh, rw = _grads(_exact_cross_entropy, h.double(), w.double(), t, [torch.tensor(1.0)], label_smoothing=eps)
+    for got, ref, other in ((dh, rh, w), (dw, rw, h)):
+        assert ((got.double() - ref).abs() <= U32 * eps * other.double().abs()).all(), (got, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_z_loss_smoothing_and_lse_gradient_of_a_confident_token(impl):
+    """V = 3 with the other logits 30 and 35 below the target's: p_target rounds to 1 in float32
+    (1 - p ~ 1e-13, far below the tolerance), so dz_target = g*(2*zl*lse + eps - eps/V) + g_lse
+    (~3e-3) must be float32-accurate (1e-6 relative), as in the materialized program where each
+    loss term has its own gradient; formed after p*ALPHA - g it lost ~6e-8 (2e-5 relative)."""
+    h = torch.tensor([[1.0], [2.0]])
+    w = torch.tensor([[0.75], [-29.25], [-34.25]])
+    t = torch.tensor([0, 0])
+    ups = [torch.tensor(1.0), torch.tensor([3e-4, 2e-4])]  # small g_lse: the result is the small terms
+    kw = dict(z_loss=1e-3, label_smoothing=1e-3, return_lse=True, reduction="sum")
+    dh, dw = _grads(linear_cross_entropy, h, w, t, ups, impl=impl, **kw)
+    rh, rw = _grads(_exact_cross_entropy, h.double(), w.double(), t, ups, **kw)
+    for got, ref in ((dh, rh), (dw, rw)):
+        assert ((got.double() - ref).abs() <= 1e-6 * ref.abs().max()).all(), (got, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("v", [1, 3])
+def test_logprob_and_entropy_gradient_of_a_confident_token(impl, v):
+    """Logprob + entropy with p ~ 1 at the target (V = 1: exactly; V = 3: 1 - p ~ 1e-13): the
+    target's g_lp*(1 - p) is (p - 1)*ALPHA, exact, and the entropy terms are ~H ~ 1e-12; the
+    remaining error is float32 rounding of the result (1e-6 relative) plus p's own rounding
+    near 1 (u32 * |g|), as in the materialized float32 program."""
+    h = torch.tensor([[1.0], [2.0]])
+    w = torch.tensor([[0.75], [-29.25], [-34.25]])[:v]
+    t = torch.tensor([0, 0])
+    ups = [torch.tensor([0.7, -0.3]), torch.tensor([0.4, 0.9])]
+    dh, dw = _grads(linear_logprobs, h, w, t, ups, return_entropy=True, impl=impl)
+    rh, rw = _grads(_exact_logprobs, h.double(), w.double(), t, ups, return_entropy=True)
+    g = 1.0  # the largest upstream gradient
+    for got, ref, other in ((dh, rh, w), (dw, rw, h)):
+        tol = 1e-6 * ref.abs().max() + U32 * g * other.double().abs().max() * v
+        assert ((got.double() - ref).abs() <= tol).all(), (got, ref)
+
+
+def _exact_distillation(hs, ws, ht, wt, t, *, temperature, hard_label_weight):
+    """KL(p_t || p_s) at ``temperature`` (no T**2) mixed with the hard-label cross-entropy, in float64."""
+    ls = torch.log_softmax(hs @ ws.T / temperature, -1)
+    lt = torch.log_softmax(ht @ wt.T / temperature, -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    ce = -torch.log_softmax(hs @ ws.T, -1).gather(1, t[:, None])[:, 0]
+    return ((1 - hard_label_weight) * kl + hard_label_weight * ce).mean()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_distillation_hard_label_gradient_of_a_confident_token(temperature):
+    """The student is certain of the target (p_s rounds to 1 in float32, 1 - p_s < 1e-6 at T = 2,
+    < 1e-13 at T = 1), the teacher is not, and the hard label dominates (w = 0.9999): the target's
+    gradient is the soft term (1 - w)*(p_s - p_t) ~ 1e-4/3; formed after (soft + w*p) - w it lost
+    ~ulp(w/3) (4e-5 relative here), formed as soft + w*(p - 1) it is float32-accurate (1e-5
+    relative of the largest gradient entry, which is that soft term times |h| or |w|)."""
+    hs = torch.tensor([[1.0], [2.0], [1.5]])
+    ws = torch.tensor([[0.75], [-29.25]])
+    ht = hs.clone()
+    wt = torch.tensor([[0.3], [0.1]])
+    t = torch.tensor([0, 0, 0])
+    kw = dict(temperature=temperature, hard_label_weight=0.9999)
+
+    def lib(hs1, ws1, t1):
+        return linear_distillation(hs1, ws1, ht, wt, t1, scale_by_temperature_squared=False, impl="torch", **kw)
+
+    def exact(hs1, ws1, t1):
+        return _exact_distillation(hs1, ws1, ht.double(), wt.double(), t1, **kw)
+
+    dh, dw = _grads(lib, hs, ws, t, [torch.tensor(1.0)])
+    rh, rw = _grads(exact, hs.double(), ws.double(), t, [torch.tensor(1.0)])
+    for got, ref in ((dh, rh), (dw, rw)):
+        assert ((got.double() - ref).abs() <= 1e-5 * ref.abs().max()).all(), (got, ref)
