@@ -51,7 +51,13 @@ def _no_autocast(device: torch.device):
 
 def _forward_stats(plan: Plan, h: torch.Tensor, w, b, targets, softcap, temperature) -> torch.Tensor:
     local = plan.backend.row_stats(
-        h, w, b, targets, vocab_start=plan.vocab_start, softcap=softcap, temperature=temperature,
+        h,
+        w,
+        b,
+        targets,
+        vocab_start=plan.vocab_start,
+        softcap=softcap,
+        temperature=temperature,
         **plan.backend_kwargs.get("row_stats", {}),
     )
     return plan.comm.reduce_stats(local)
@@ -92,8 +98,18 @@ def _backward_grads(ctx, plan: Plan, saved, coef: torch.Tensor, lse: torch.Tenso
         w = weight.to(plan.compute_dtype)
         b = to_dtype(bias, plan.compute_dtype)
         dh, dw, db = plan.backend.grads(
-            h, w, b, targets, lse, coef, vocab_start=plan.vocab_start, softcap=softcap,
-            temperature=temperature, need_hidden=need_h, need_weight=need_w, need_bias=need_b,
+            h,
+            w,
+            b,
+            targets,
+            lse,
+            coef,
+            vocab_start=plan.vocab_start,
+            softcap=softcap,
+            temperature=temperature,
+            need_hidden=need_h,
+            need_weight=need_w,
+            need_bias=need_b,
             **plan.backend_kwargs.get("grads", {}),
         )
         if dh is not None:
@@ -112,11 +128,13 @@ class CrossEntropyRows(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
         with _no_autocast(hidden.device):
             h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype),
-                                   targets, opts.softcap, 1.0)
+            stats = _forward_stats(
+                plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype), targets, opts.softcap, 1.0
+            )
             valid = targets != opts.ignore_index
-            loss, lse = formulas.cross_entropy_rows(stats, valid, label_smoothing=opts.label_smoothing,
-                                             z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+            loss, lse = formulas.cross_entropy_rows(
+                stats, valid, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
+            )
         ctx.save_for_backward(h, weight, bias, targets, lse, valid)
         ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
         return loss, lse
@@ -127,8 +145,15 @@ class CrossEntropyRows(torch.autograd.Function):
         plan, opts = ctx.plan, ctx.opts
         saved = ctx.saved_tensors
         lse, valid = saved[4:6]
-        coef = formulas.cross_entropy_coef(lse, valid, g_loss, g_lse, label_smoothing=opts.label_smoothing,
-                                    z_loss=opts.z_loss, vocab_size=plan.vocab_size)
+        coef = formulas.cross_entropy_coef(
+            lse,
+            valid,
+            g_loss,
+            g_lse,
+            label_smoothing=opts.label_smoothing,
+            z_loss=opts.z_loss,
+            vocab_size=plan.vocab_size,
+        )
         return _backward_grads(ctx, plan, saved[:4], coef, lse, opts.softcap, 1.0) + (None, None, None)
 
 
@@ -139,8 +164,15 @@ class LogprobRows(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
         with _no_autocast(hidden.device):
             h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype),
-                                   targets, opts.softcap, opts.temperature)
+            stats = _forward_stats(
+                plan,
+                h,
+                weight.to(plan.compute_dtype),
+                to_dtype(bias, plan.compute_dtype),
+                targets,
+                opts.softcap,
+                opts.temperature,
+            )
             valid = targets != opts.ignore_index
             lp, ent = formulas.logprob_rows(stats, valid)
         ctx.save_for_backward(h, weight, bias, targets, stats, valid)
@@ -155,7 +187,10 @@ class LogprobRows(torch.autograd.Function):
         stats, valid = saved[4:6]
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
         return _backward_grads(ctx, plan, saved[:4], coef, S.lse(stats), opts.softcap, opts.temperature) + (
-            None, None, None)
+            None,
+            None,
+            None,
+        )
 
 
 class FusedCrossEntropy(torch.autograd.Function):
@@ -192,11 +227,20 @@ class FusedCrossEntropy(torch.autograd.Function):
             )
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
             loss_rows, _, dh, dw, db = fused_cross_entropy(
-                h, w, b, targets, valid, scale * unit,
+                h,
+                w,
+                b,
+                targets,
+                valid,
+                scale * unit,
                 coef_fn=lambda lse, v: formulas.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
                 rows_fn=lambda st, v: formulas.cross_entropy_rows(st, v, **kw),
-                vocab_start=plan.vocab_start, softcap=opts.softcap, chunk_tokens_=plan.fused_chunk_tokens,
-                need_hidden=need_h, need_weight=need_w, need_bias=need_b,
+                vocab_start=plan.vocab_start,
+                softcap=opts.softcap,
+                chunk_tokens_=plan.fused_chunk_tokens,
+                need_hidden=need_h,
+                need_weight=need_w,
+                need_bias=need_b,
                 reduce_stats=comm.reduce_stats if comm.active else None,
                 need_sum=bool(opts.label_smoothing),
             )

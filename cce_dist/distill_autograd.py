@@ -35,8 +35,18 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _heads(plan: DistillPlan, opts, hs, ws, bs, ht, wt, bt, targets, valid) -> DT.Heads:
-    return DT.Heads(hs, ws.to(plan.student_dtype), _cast(bs, plan.student_dtype), ht, wt.to(plan.teacher_dtype),
-                    _cast(bt, plan.teacher_dtype), targets, valid, plan.vocab_start, opts)
+    return DT.Heads(
+        hs,
+        ws.to(plan.student_dtype),
+        _cast(bs, plan.student_dtype),
+        ht,
+        wt.to(plan.teacher_dtype),
+        _cast(bt, plan.teacher_dtype),
+        targets,
+        valid,
+        plan.vocab_start,
+        opts,
+    )
 
 
 def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
@@ -51,8 +61,19 @@ class DistillRows(torch.autograd.Function):
     ``-> loss float32 [N]``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, targets, valid, plan: DistillPlan,
-                opts: DistillationOptions):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        t_hidden,
+        t_weight,
+        t_bias,
+        targets,
+        valid,
+        plan: DistillPlan,
+        opts: DistillationOptions,
+    ):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
@@ -72,8 +93,18 @@ class DistillRows(torch.autograd.Function):
             dh, dw, db = DT.grads(heads, plan.step, stats, rows, g, need)
             if dh is not None:
                 dh = plan.comm.reduce_hidden_grad(dh).to(ctx.hidden_dtype)
-        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None, None, None, None, None)
+        return (
+            dh,
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class FusedDistill(torch.autograd.Function):
@@ -84,8 +115,19 @@ class FusedDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, targets, valid, plan: DistillPlan,
-                opts: DistillationOptions):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        t_hidden,
+        t_weight,
+        t_bias,
+        targets,
+        valid,
+        plan: DistillPlan,
+        opts: DistillationOptions,
+    ):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need = (need_h, need_w, need_b and bias is not None)
         comm = plan.comm
@@ -94,8 +136,9 @@ class FusedDistill(torch.autograd.Function):
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
-            loss_rows, _, _, dh, dw, db = DT.forward(heads, plan.step, comm.reduce_stats, comm.reduce_sum,
-                                                     row_grad=scale, need=need)
+            loss_rows, _, _, dh, dw, db = DT.forward(
+                heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=scale, need=need
+            )
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh).to(hidden.dtype)
             loss = loss_rows.sum() * scale

@@ -21,10 +21,10 @@ gradients w.r.t. the student's soft logits ``z_s`` are
 
 (the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
 ``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) c_t s_t`` with
-``c = exp(m - lse)``, which lets it run in three blocks), and the hard term ``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw
-logits' gradient is then chained through ``1/T`` and the softcap. Backward (per-row upstream
-gradients) recomputes a chunk from the saved global statistics and rows: no collective but the
-caller's dH reduction.
+``c = exp(m - lse)``, which lets it run in three blocks), and the hard term
+``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw logits' gradient
+is then chained through ``1/T`` and the softcap. Backward (per-row upstream gradients) recomputes
+a chunk from the saved global statistics and rows: no collective but the caller's dH reduction.
 
 No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
 """
@@ -40,13 +40,13 @@ import torch
 from . import stats as S
 from .options import DistillationOptions
 from .torch_impl import (
-    _Block,
-    _chunks,
-    _gemm_inputs,
-    _GradAccumulator,
-    _inactive_rows_zeroed,
-    _target_cols,
+    GradAccumulator,
+    LogitsBlock,
+    gemm_inputs,
+    inactive_rows_zeroed,
     logits_t,
+    target_cols,
+    token_chunks,
 )
 
 Tensor = torch.Tensor
@@ -73,8 +73,8 @@ class Heads:
     opts: DistillationOptions
 
     def __post_init__(self) -> None:
-        self.hs, self.ws, self.bs, self.round_s = _gemm_inputs(self.hs, self.ws, self.bs)
-        self.ht, self.wt, self.bt, self.round_t = _gemm_inputs(self.ht, self.wt, self.bt)
+        self.hs, self.ws, self.bs, self.round_s = gemm_inputs(self.hs, self.ws, self.bs)
+        self.ht, self.wt, self.bt, self.round_t = gemm_inputs(self.ht, self.wt, self.bt)
 
     @property
     def n_stats(self) -> int:
@@ -88,18 +88,18 @@ class Heads:
 
 
 class _Buffers:
-    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl._Block`),
+    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl.LogitsBlock`),
     made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four."""
 
     def __init__(self, v_local: int, step: int, device: torch.device):
         self._args = (v_local, step, device)
-        self._blocks: dict[str, _Block] = {}
+        self._blocks: dict[str, LogitsBlock] = {}
 
-    def __getattr__(self, name: str) -> _Block:
+    def __getattr__(self, name: str) -> LogitsBlock:
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._blocks:
-            self._blocks[name] = _Block(*self._args)
+            self._blocks[name] = LogitsBlock(*self._args)
         return self._blocks[name]
 
 
@@ -153,7 +153,7 @@ def chunk(
     pt = buf.pt.view(n)
     t_rows = t_cols = None
     if hard:  # the student's logits at T=1: lse1 and the target logit
-        t_rows, t_cols = _target_cols(heads.targets[sl], heads.vocab_start, v)
+        t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
         local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
         m1 = _head_stats(zs, pt, local[2])
         zs.add_(m1)
@@ -240,11 +240,11 @@ def loss_rows(heads: Heads, glob: Tensor, rows: Tensor, sl: slice) -> Tensor:
     return torch.where(heads.valid[sl], loss, torch.zeros_like(loss))
 
 
-def _accumulate(acc: _GradAccumulator, heads: Heads, dz: Tensor, g: Tensor, sl: slice) -> None:
+def _accumulate(acc: GradAccumulator, heads: Heads, dz: Tensor, g: Tensor, sl: slice) -> None:
     inactive = torch.nonzero(g == 0, as_tuple=True)[0]
     if inactive.numel():  # exactly zero, even where a row's logits are not finite
         dz.index_fill_(1, inactive, 0.0)
-    acc.add(dz, _inactive_rows_zeroed(heads.hs[sl], inactive), heads.ws, sl)
+    acc.add(dz, inactive_rows_zeroed(heads.hs[sl], inactive), heads.ws, sl)
 
 
 def forward(
@@ -267,9 +267,9 @@ def forward(
     stats = torch.empty(n, heads.n_stats, S.NUM_STATS, dtype=torch.float32, device=dev)
     rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=dev)
     grads = row_grad is not None and any(need)
-    acc = _GradAccumulator(heads.hs, heads.ws, *need) if grads else None
+    acc = GradAccumulator(heads.hs, heads.ws, *need) if grads else None
     buf = _Buffers(heads.ws.shape[0], min(step, max(n, 1)), dev)
-    for sl in _chunks(n, step):
+    for sl in token_chunks(n, step):
         g = None
         if grads:
             g = torch.where(heads.valid[sl], row_grad, 0.0).float()
@@ -285,13 +285,13 @@ def forward(
 def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
     """The student's float32 gradients ``(dh partial, dw, db)`` of ``sum_i g_i * loss_i`` (no collective):
     each chunk is recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`."""
-    acc = _GradAccumulator(heads.hs, heads.ws, *need)
+    acc = GradAccumulator(heads.hs, heads.ws, *need)
     n = heads.hs.shape[0]
     if n == 0 or heads.ws.shape[0] == 0:
         return acc.result()
     g = torch.where(heads.valid, g.float(), torch.zeros_like(g, dtype=torch.float32))
     buf = _Buffers(heads.ws.shape[0], min(step, n), heads.hs.device)
-    for sl in _chunks(n, step):
+    for sl in token_chunks(n, step):
         gc = g[sl]
         if not bool(gc.any()):
             continue

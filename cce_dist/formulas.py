@@ -6,8 +6,6 @@ single-device and vocab-parallel paths. See :mod:`cce_dist.backend` for the coef
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import stats as S
@@ -36,7 +34,7 @@ def cross_entropy_coef(
     lse: torch.Tensor,
     valid: torch.Tensor,
     g_loss: torch.Tensor,
-    g_lse: Optional[torch.Tensor],
+    g_lse: torch.Tensor | None,
     *,
     label_smoothing: float,
     z_loss: float,
@@ -72,7 +70,7 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 
 
 def logprob_coef(
-    stats: torch.Tensor, valid: torch.Tensor, g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor]
+    stats: torch.Tensor, valid: torch.Tensor, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None
 ) -> torch.Tensor:
     """Coefficients of d(logprob, entropy)/dz (layout: :mod:`cce_dist.backend`; at the target the
     logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).

@@ -5,7 +5,7 @@ The logits are formed one token chunk at a time, transposed (``[V_local, n]``, c
 contiguous operands, measured 1.3-1.6x faster than ``hidden @ weight.T`` for thin chunks.
 Peak extra memory is one ``[V_local, n]`` float32 block (``n`` from :func:`chunk_tokens`) plus
 ``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW accumulator. The block
-is allocated once per call and reused by every chunk (:class:`_Block`):
+is allocated once per call and reused by every chunk (:class:`LogitsBlock`):
 a fresh multi-MiB allocation per chunk costs page faults on every first touch, measured at
 ~20% of the logits GEMM at ``n = 128``.
 
@@ -13,7 +13,7 @@ On a CPU without native GEMMs for a bf16/fp16 compute dtype (no AVX-512-BF16/AMX
 emulated, measured ~70x slower than float32 here), the GEMM operands are upcast to float32 once
 per call (``+4 * (V_local + N) * D`` bytes) and the logits rounded to the compute dtype after
 the GEMM: the same values as a native low-precision GEMM with float32 accumulation
-(:func:`_gemm_inputs`).
+(:func:`gemm_inputs`).
 
 No autograd and no torch.distributed here: :mod:`cce_dist.autograd` calls these functions and
 passes a ``reduce_stats`` callback where statistics must be combined across ranks.
@@ -46,12 +46,12 @@ def chunk_tokens(n_tokens: int, v_local: int, chunk_size: int | None) -> int:
     return max(1, min(max(n_tokens, 1), step))
 
 
-def _chunks(n_tokens: int, step: int) -> Iterator[slice]:
+def token_chunks(n_tokens: int, step: int) -> Iterator[slice]:
     for lo in range(0, n_tokens, step):
         yield slice(lo, min(lo + step, n_tokens))
 
 
-class _Block:
+class LogitsBlock:
     """One reusable float32 buffer for the ``[V_local, n]`` logits of successive token chunks."""
 
     def __init__(self, v_local: int, max_tokens: int, device: torch.device):
@@ -73,7 +73,7 @@ def _native_low_precision_gemm(dtype: torch.dtype) -> bool:
         return False
 
 
-def _gemm_inputs(hidden, weight, bias):
+def gemm_inputs(hidden, weight, bias):
     """``(hidden, weight, bias, round_to)`` for the GEMMs: float32 copies plus the dtype to round
     the logits to when ``weight`` is bf16/fp16 on a CPU without native GEMMs of that dtype, else
     the inputs unchanged and ``None``."""
@@ -89,7 +89,7 @@ def logits_t(
     bias: torch.Tensor | None,
     softcap: float | None,
     temperature: float,
-    block: _Block | None = None,
+    block: LogitsBlock | None = None,
     round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Transposed logits ``z float32 [V_local, n]`` of a token chunk, and ``tanh(raw/softcap)``.
@@ -121,7 +121,7 @@ def logits_t(
     return z, th
 
 
-def _target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(local rows, columns) of the targets that fall in this shard."""
     t_loc = targets - vocab_start
     cols = torch.nonzero((t_loc >= 0) & (t_loc < v_local), as_tuple=True)[0]
@@ -140,7 +140,7 @@ def _chunk_stats(
     if v_local == 0:
         return S.empty_stats(n, device=z.device)
     out = z.new_zeros(n, S.NUM_STATS)
-    rows, cols = _target_cols(targets, vocab_start, v_local)
+    rows, cols = target_cols(targets, vocab_start, v_local)
     out[cols, S.TARGET] = z[rows, cols]
     if need_sum:  # sum_j z_j * 2**-32 as one GEMV: each term is scaled before it is accumulated
         out[:, S.SUM] = torch.mv(z.t(), z.new_full((v_local,), S.SUM_SCALE))
@@ -182,16 +182,16 @@ def row_stats(
     out = S.empty_stats(n_tokens, device=hidden.device)
     if n_tokens == 0 or v_local == 0:
         return out
-    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
+    hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
-    block = _Block(v_local, step, hidden.device)
-    for sl in _chunks(n_tokens, step):
+    block = LogitsBlock(v_local, step, hidden.device)
+    for sl in token_chunks(n_tokens, step):
         z = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)[0]
         out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy, need_sum)
     return out
 
 
-def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> Optional[torch.Tensor]:
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b`` of bf16/fp16 operands as one GEMM with a float32 result, or None where the build
     has no such kernel (the CPU build: the caller upcasts the operands, which gives the same values)."""
     if not a.is_cuda:
@@ -202,7 +202,7 @@ def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
-class _GradAccumulator:
+class GradAccumulator:
     """float32 accumulators for dH rows, dW and db, written in place where the dtype allows."""
 
     def __init__(self, hidden, weight, need_hidden, need_weight, need_bias):
@@ -268,10 +268,10 @@ def _finish_dz(
     Rows whose coefficients are all zero (``inactive``, from :func:`_inactive_rows`: ignored
     targets, zero upstream gradient) get an exactly zero gradient even when their logits are not
     finite (p * 0 would be NaN there); the caller must also keep their hidden rows out of dW
-    (:func:`_inactive_rows_zeroed`).
+    (:func:`inactive_rows_zeroed`).
     """
     alpha, beta, gamma, delta = (coef[:, k] for k in (ALPHA, BETA, GAMMA, DELTA))
-    rows, cols = _target_cols(targets, vocab_start, dz.shape[0])
+    rows, cols = target_cols(targets, vocab_start, dz.shape[0])
     p_t = dz[rows, cols] if p_scale is None else dz[rows, cols] * p_scale[cols]  # p at the targets (a copy)
     if z is not None:  # entropy term: p * (alpha + delta * (z - lse)); p == 0 gives 0, not 0 * inf
         assert p_scale is None
@@ -299,7 +299,7 @@ def _inactive_rows(coef: torch.Tensor) -> torch.Tensor:
     return torch.nonzero((coef == 0).all(1), as_tuple=True)[0]
 
 
-def _inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> torch.Tensor:
+def inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> torch.Tensor:
     """The chunk's hidden rows, with the ``inactive`` rows zeroed (a copy, only if any): a
     non-finite hidden row of an ignored token must not reach dW through 0 * inf."""
     return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
@@ -328,31 +328,46 @@ def grads(
     Exact: ``filter_eps`` is accepted for interface parity and ignored; always deterministic.
     """
     del filter_eps, deterministic
-    acc = _GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
+    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     if n_tokens == 0 or v_local == 0:
         return acc.result()
     need_z = bool((coef[:, DELTA] != 0).any())
-    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
+    hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
-    block = _Block(v_local, step, hidden.device)
-    for sl in _chunks(n_tokens, step):
+    block = LogitsBlock(v_local, step, hidden.device)
+    for sl in token_chunks(n_tokens, step):
         c = coef[sl]
         if bool(c.any()):  # else every row of the chunk is ignored or has a zero upstream gradient
-            _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature,
-                        need_z, round_to)
+            _grad_chunk(
+                acc,
+                block,
+                hidden,
+                weight,
+                bias,
+                targets,
+                lse,
+                c,
+                sl,
+                vocab_start,
+                softcap,
+                temperature,
+                need_z,
+                round_to,
+            )
     return acc.result()
 
 
-def _grad_chunk(acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z,
-                round_to):
+def _grad_chunk(
+    acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z, round_to
+):
     """One token chunk of :func:`grads` (a function, so its temporaries die on return)."""
     z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
     z.sub_(lse[sl])  # log p
     p = torch.exp(z) if need_z else z.exp_()
     inactive = _inactive_rows(c)
     dz = _finish_dz(p, z if need_z else None, th, c, inactive, targets[sl], vocab_start, temperature)
-    acc.add(dz, _inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
+    acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
 
 def fused_cross_entropy(
@@ -384,20 +399,56 @@ def fused_cross_entropy(
     Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
     n_tokens = hidden.shape[0]
-    acc = _GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
+    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
     loss = hidden.new_zeros(n_tokens, dtype=torch.float32)
     lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
-    block = _Block(weight.shape[0], min(chunk_tokens_, max(n_tokens, 1)), hidden.device)
-    hidden, weight, bias, round_to = _gemm_inputs(hidden, weight, bias)
-    for sl in _chunks(n_tokens, chunk_tokens_):
+    block = LogitsBlock(weight.shape[0], min(chunk_tokens_, max(n_tokens, 1)), hidden.device)
+    hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
+    for sl in token_chunks(n_tokens, chunk_tokens_):
         # A function per chunk, so its temporaries die before the next chunk starts.
-        _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
-                     vocab_start, softcap, reduce_stats, need_sum, round_to)
+        _fused_chunk(
+            acc,
+            block,
+            loss,
+            lse,
+            hidden,
+            weight,
+            bias,
+            targets,
+            valid,
+            row_grad,
+            coef_fn,
+            rows_fn,
+            sl,
+            vocab_start,
+            softcap,
+            reduce_stats,
+            need_sum,
+            round_to,
+        )
     return (loss, lse) + acc.result()
 
 
-def _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, row_grad, coef_fn, rows_fn, sl,
-                 vocab_start, softcap, reduce_stats, need_sum, round_to):
+def _fused_chunk(
+    acc,
+    block,
+    loss,
+    lse,
+    hidden,
+    weight,
+    bias,
+    targets,
+    valid,
+    row_grad,
+    coef_fn,
+    rows_fn,
+    sl,
+    vocab_start,
+    softcap,
+    reduce_stats,
+    need_sum,
+    round_to,
+):
     z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
     local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
     glob = reduce_stats(local) if reduce_stats is not None else local
@@ -407,6 +458,7 @@ def _fused_chunk(acc, block, loss, lse, hidden, weight, bias, targets, valid, ro
     # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse): the factor joins alpha's pass
     c = coef_fn(lse[sl], valid[sl]) * row_grad
     inactive = _inactive_rows(c)
-    dz = _finish_dz(z, None, th, c, inactive, targets[sl], vocab_start, 1.0,
-                    p_scale=torch.exp(local[:, S.MAX] - lse[sl]))
-    acc.add(dz, _inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
+    dz = _finish_dz(
+        z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=torch.exp(local[:, S.MAX] - lse[sl])
+    )
+    acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)

@@ -63,13 +63,40 @@ from ._common import (
 
 @triton.jit
 def _dz_tile(
-    H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
-    vocab_start, softcap, temperature, filter_eps,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Gradient w.r.t. the raw logits of one tile, fp32 [BLOCK_N, BLOCK_V] (0 outside the valid
     rows / columns, and exactly 0 in rows whose coefficients are all zero even when their logits
@@ -77,9 +104,27 @@ def _dz_tile(
     that are active (valid with a nonzero coefficient)."""
     row_ok = offs_n < N
     col_ok = offs_v < V
-    raw = logit_tile(H, W, Bias, offs_n, offs_v, N, V, D,
-                     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-                     HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+    raw = logit_tile(
+        H,
+        W,
+        Bias,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        D,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        stride_b,
+        HAS_BIAS,
+        DOT_PRECISION,
+        INTERP_BF16,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
     z, t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
     lse = tl.load(LSE + offs_n, mask=row_ok, other=0.0)
@@ -130,16 +175,48 @@ def _dz_tile(
 
 @triton.jit
 def _grads_fused_kernel(
-    H, W, Bias, Targets, LSE, Coef, DH, DW, DB,
-    N, V, D, vocab_start, softcap, temperature, filter_eps,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-    stride_dhn, stride_dwv,
-    NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr, GROUP_N: tl.constexpr,
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
+    stride_dhn,
+    stride_dwv,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     """
     Fused backward over (token tile, vocab tile) pairs; contributions added with fp32 atomics.
@@ -167,11 +244,41 @@ def _grads_fused_kernel(
     row_ok = offs_n < N
     col_ok = offs_v < V
     dz, keep, active = _dz_tile(
-        H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
-        vocab_start, softcap, temperature, filter_eps,
-        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-        USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+        H,
+        W,
+        Bias,
+        Targets,
+        LSE,
+        Coef,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        D,
+        vocab_start,
+        softcap,
+        temperature,
+        filter_eps,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        stride_b,
+        stride_t,
+        stride_cn,
+        stride_ck,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_TEMP,
+        FILTER,
+        GAMMA_IN_TILE,
+        USE_LIBDEVICE,
+        DOT_PRECISION,
+        INTERP_BF16,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
     if keep:
         if NEED_DB:
             tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
@@ -180,51 +287,117 @@ def _grads_fused_kernel(
         if NEED_DH:
             for d0 in range(0, D, BLOCK_D_OUT):
                 d_ok = offs_do < D - d0
-                w = tl.load(W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
-                            mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                part = mma(dzc, w, tl.zeros((BLOCK_N, BLOCK_D_OUT), dtype=tl.float32),
-                           DOT_PRECISION, INTERP_BF16)
-                tl.atomic_add(DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :], part,
-                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+                w = tl.load(
+                    W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
+                    mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                part = mma(dzc, w, tl.zeros((BLOCK_N, BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
+                tl.atomic_add(
+                    DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :],
+                    part,
+                    mask=row_ok[:, None] & d_ok[None, :],
+                    sem="relaxed",
+                )
         if NEED_DW:
             dzt = tl.trans(dzc)
             for d0 in range(0, D, BLOCK_D_OUT):
                 d_ok = offs_do < D - d0
-                h = tl.load(H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
-                            mask=active[:, None] & d_ok[None, :], other=0.0)
-                part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32),
-                           DOT_PRECISION, INTERP_BF16)
-                tl.atomic_add(DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :], part,
-                              mask=col_ok[:, None] & d_ok[None, :], sem="relaxed")
+                h = tl.load(
+                    H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
+                    mask=active[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
+                tl.atomic_add(
+                    DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :],
+                    part,
+                    mask=col_ok[:, None] & d_ok[None, :],
+                    sem="relaxed",
+                )
 
 
 @triton.jit
-def _grad_chunk2(A0, X0, offs_x0, x0_ok, A1, X1, offs_x1, x1_ok, stride_xr, stride_xc, d0, D,
-                 DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_D_OUT: tl.constexpr):
+def _grad_chunk2(
+    A0,
+    X0,
+    offs_x0,
+    x0_ok,
+    A1,
+    X1,
+    offs_x1,
+    x1_ok,
+    stride_xr,
+    stride_xc,
+    d0,
+    D,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+):
     """``A0 @ X0[offs_x0, d0:d0+BLOCK_D_OUT] + A1 @ X1[offs_x1, d0:...]`` in fp32: one output chunk
     of a gradient over two tiles of the accumulation dimension (rows outside ``x*_ok`` read 0)."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     d_ok = offs_do < D - d0
-    x0 = tl.load(X0 + offs_x0[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-                 mask=x0_ok[:, None] & d_ok[None, :], other=0.0)
-    x1 = tl.load(X1 + offs_x1[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-                 mask=x1_ok[:, None] & d_ok[None, :], other=0.0)
+    x0 = tl.load(
+        X0 + offs_x0[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+        mask=x0_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    x1 = tl.load(
+        X1 + offs_x1[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+        mask=x1_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     acc = mma(A0, x0, tl.zeros((A0.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
     return mma(A1, x1, acc, DOT_PRECISION, INTERP_BF16)
 
 
 @triton.jit
 def _grads_super_kernel(
-    H, W, Bias, Targets, LSE, Coef, DH, DW, DB, Scratch,
-    N, V, D, vocab_start, softcap, temperature, filter_eps,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-    stride_dhn, stride_dwv,
-    NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr, GROUP_N: tl.constexpr,
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    DH,
+    DW,
+    DB,
+    Scratch,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
+    stride_dhn,
+    stride_dwv,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     """
     Fused backward over 2x2 super-tiles (two token tiles x two vocab tiles), persistent: half the
@@ -264,21 +437,81 @@ def _grads_super_kernel(
 
         # dz00, dz01: parked in slots 0 and 1 (dz01 also kept in registers for dH0).
         dz, keep, act0 = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n0, offs_v0, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n0,
+            offs_v0,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         dz = tl.where(keep, dz, 0.0)  # a filtered tile contributes nothing, as in the fused kernel
         keep00 = keep
         db0 = tl.sum(dz, axis=0)
         tl.store(slot, round_to(dz, H.dtype.element_ty, INTERP_BF16).to(Scratch.dtype.element_ty))
         dz, keep, act0 = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n0, offs_v1, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n0,
+            offs_v1,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         dz = tl.where(keep, dz, 0.0)
         keep01 = keep
         db1 = tl.sum(dz, axis=0)
@@ -289,19 +522,68 @@ def _grads_super_kernel(
             if keep00 | keep01:
                 a0 = tl.load(slot).to(dzc.dtype)
                 for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(a0, W, offs_v0, v0_ok, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd,
-                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    part = _grad_chunk2(
+                        a0,
+                        W,
+                        offs_v0,
+                        v0_ok,
+                        dzc,
+                        W,
+                        offs_v1,
+                        v1_ok,
+                        stride_wv,
+                        stride_wd,
+                        d0,
+                        D,
+                        DOT_PRECISION,
+                        INTERP_BF16,
+                        BLOCK_D_OUT,
+                    )
                     offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(DH + offs_n0[:, None] * stride_dhn + offs_do[None, :], part,
-                                  mask=n0_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+                    tl.atomic_add(
+                        DH + offs_n0[:, None] * stride_dhn + offs_do[None, :],
+                        part,
+                        mask=n0_ok[:, None] & (offs_do < D)[None, :],
+                        sem="relaxed",
+                    )
 
         # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
         dz, keep, act1 = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n1, offs_v0, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n1,
+            offs_v0,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         dz = tl.where(keep, dz, 0.0)
         keep10 = keep
         db0 += tl.sum(dz, axis=0)
@@ -315,19 +597,68 @@ def _grads_super_kernel(
                 a0 = tl.trans(tl.load(slot).to(dzc.dtype))
                 a1 = tl.trans(dzc)
                 for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(a0, H, offs_n0, act0, a1, H, offs_n1, act1, stride_hn, stride_hd,
-                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    part = _grad_chunk2(
+                        a0,
+                        H,
+                        offs_n0,
+                        act0,
+                        a1,
+                        H,
+                        offs_n1,
+                        act1,
+                        stride_hn,
+                        stride_hd,
+                        d0,
+                        D,
+                        DOT_PRECISION,
+                        INTERP_BF16,
+                        BLOCK_D_OUT,
+                    )
                     offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(DW + offs_v0[:, None] * stride_dwv + offs_do[None, :], part,
-                                  mask=v0_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+                    tl.atomic_add(
+                        DW + offs_v0[:, None] * stride_dwv + offs_do[None, :],
+                        part,
+                        mask=v0_ok[:, None] & (offs_do < D)[None, :],
+                        sem="relaxed",
+                    )
 
         # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
         dz, keep, act1 = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n1, offs_v1, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n1,
+            offs_v1,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         dz = tl.where(keep, dz, 0.0)
         keep11 = keep
         db1 += tl.sum(dz, axis=0)
@@ -339,27 +670,77 @@ def _grads_super_kernel(
                 a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
                 a1 = tl.trans(dzc)
                 for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(a0, H, offs_n0, act0, a1, H, offs_n1, act1, stride_hn, stride_hd,
-                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    part = _grad_chunk2(
+                        a0,
+                        H,
+                        offs_n0,
+                        act0,
+                        a1,
+                        H,
+                        offs_n1,
+                        act1,
+                        stride_hn,
+                        stride_hd,
+                        d0,
+                        D,
+                        DOT_PRECISION,
+                        INTERP_BF16,
+                        BLOCK_D_OUT,
+                    )
                     offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(DW + offs_v1[:, None] * stride_dwv + offs_do[None, :], part,
-                                  mask=v1_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+                    tl.atomic_add(
+                        DW + offs_v1[:, None] * stride_dwv + offs_do[None, :],
+                        part,
+                        mask=v1_ok[:, None] & (offs_do < D)[None, :],
+                        sem="relaxed",
+                    )
         if NEED_DH:
             if keep10 | keep11:
                 a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
                 for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(a0, W, offs_v0, v0_ok, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd,
-                                        d0, D, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                    part = _grad_chunk2(
+                        a0,
+                        W,
+                        offs_v0,
+                        v0_ok,
+                        dzc,
+                        W,
+                        offs_v1,
+                        v1_ok,
+                        stride_wv,
+                        stride_wd,
+                        d0,
+                        D,
+                        DOT_PRECISION,
+                        INTERP_BF16,
+                        BLOCK_D_OUT,
+                    )
                     offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(DH + offs_n1[:, None] * stride_dhn + offs_do[None, :], part,
-                                  mask=n1_ok[:, None] & (offs_do < D)[None, :], sem="relaxed")
+                    tl.atomic_add(
+                        DH + offs_n1[:, None] * stride_dhn + offs_do[None, :],
+                        part,
+                        mask=n1_ok[:, None] & (offs_do < D)[None, :],
+                        sem="relaxed",
+                    )
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
 @triton.jit
 def _add_product_rows(
-    A, X, offs_x, x_ok, stride_xr, stride_xc, Out, offs_o, o_ok, stride_or, D,
-    DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_D_OUT: tl.constexpr,
+    A,
+    X,
+    offs_x,
+    x_ok,
+    stride_xr,
+    stride_xc,
+    Out,
+    offs_o,
+    o_ok,
+    stride_or,
+    D,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
 ):
     """``Out[offs_o, :D] += A @ X[offs_x, :D]`` by load-add-store, ``BLOCK_D_OUT`` columns at a
     time (the deterministic kernels' update of the output rows they own). ``A``: the tile's
@@ -368,8 +749,11 @@ def _add_product_rows(
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
-        x = tl.load(X + offs_x[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-                    mask=x_ok[:, None] & d_ok[None, :], other=0.0)
+        x = tl.load(
+            X + offs_x[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+            mask=x_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
         msk = o_ok[:, None] & d_ok[None, :]
         acc = tl.load(ptrs, mask=msk, other=0.0)
@@ -378,14 +762,40 @@ def _add_product_rows(
 
 @triton.jit
 def _grads_dh_kernel(
-    H, W, Bias, Targets, LSE, Coef, DH,
-    N, V, D, vocab_start, softcap, temperature, filter_eps,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    DH,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
     stride_dhn,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
     """
@@ -400,28 +810,100 @@ def _grads_dh_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
         dz, keep, active = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         if keep:
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-            _add_product_rows(dzc, W, offs_v, col_ok, stride_wv, stride_wd, DH, offs_n, row_ok, stride_dhn, D,
-                              DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+            _add_product_rows(
+                dzc,
+                W,
+                offs_v,
+                col_ok,
+                stride_wv,
+                stride_wd,
+                DH,
+                offs_n,
+                row_ok,
+                stride_dhn,
+                D,
+                DOT_PRECISION,
+                INTERP_BF16,
+                BLOCK_D_OUT,
+            )
 
 
 @triton.jit
 def _grads_dw_kernel(
-    H, W, Bias, Targets, LSE, Coef, DW, DB,
-    N, V, D, vocab_start, softcap, temperature, filter_eps,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    DW,
+    DB,
+    N,
+    V,
+    D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
     stride_dwv,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr, GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
     """
@@ -436,20 +918,63 @@ def _grads_dw_kernel(
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        row_ok = offs_n < N
         dz, keep, active = _dz_tile(
-            H, W, Bias, Targets, LSE, Coef, offs_n, offs_v, N, V, D,
-            vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE,
-            USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+            H,
+            W,
+            Bias,
+            Targets,
+            LSE,
+            Coef,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            D,
+            vocab_start,
+            softcap,
+            temperature,
+            filter_eps,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            stride_b,
+            stride_t,
+            stride_cn,
+            stride_ck,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_TEMP,
+            FILTER,
+            GAMMA_IN_TILE,
+            USE_LIBDEVICE,
+            DOT_PRECISION,
+            INTERP_BF16,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         if keep:
             if NEED_DB:
                 db += tl.sum(dz, axis=0)
             if NEED_DW:
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
-                _add_product_rows(dzt, H, offs_n, active, stride_hn, stride_hd, DW, offs_v, col_ok, stride_dwv, D,
-                                  DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                _add_product_rows(
+                    dzt,
+                    H,
+                    offs_n,
+                    active,
+                    stride_hn,
+                    stride_hd,
+                    DW,
+                    offs_v,
+                    col_ok,
+                    stride_dwv,
+                    D,
+                    DOT_PRECISION,
+                    INTERP_BF16,
+                    BLOCK_D_OUT,
+                )
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
@@ -471,18 +996,36 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
         rows = max(1, _GAMMA_CHUNK_BYTES // (4 * max(d, 1)))
         u = torch.zeros(d, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, rows):
-            g = gamma[i:i + rows]
+            g = gamma[i : i + rows]
             # Rows with gamma == 0 stay out even when their hidden state is not finite.
-            hc = torch.where((g != 0)[:, None], hidden[i:i + rows].float(), 0.0)
+            hc = torch.where((g != 0)[:, None], hidden[i : i + rows].float(), 0.0)
             u.add_(g @ hc)
         dw.add_(u)
     if db is not None:
         db.add_(gamma.sum())
 
 
-def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-         need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, props=None,
-         allow_tf32=None, _blocks=None, _schedule="tiles"):
+def plan(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    coef,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    need_hidden,
+    need_weight,
+    need_bias,
+    filter_eps=None,
+    deterministic=False,
+    props=None,
+    allow_tf32=None,
+    _blocks=None,
+    _schedule="tiles",
+):
     """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
     ``dh`` / ``dw`` / ``db`` are the zeroed fp32 outputs (None where not needed); ``launches`` is
@@ -523,32 +1066,56 @@ def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temp
         else:
             if props is None:
                 props = _config.DeviceProps.of(device)
-            c = _config.backward_config(props, hidden.dtype, tf32=precision == "tf32", softcap=has_softcap,
-                                        filtering=filt, deterministic=deterministic)
+            c = _config.backward_config(
+                props,
+                hidden.dtype,
+                tf32=precision == "tf32",
+                softcap=has_softcap,
+                filtering=filt,
+                deterministic=deterministic,
+            )
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
-    launch = {} if interpret else dict(num_warps=warps, num_stages=stages,
-                                       enable_fp_fusion=_config.ENABLE_FP_FUSION)
+    launch = {} if interpret else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
 
     common = (
-        hidden, weight, bias if bias is not None else hidden, targets, lse, coef,
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        targets,
+        lse,
+        coef,
     )
     scalars = (
-        n, v, d, int(vocab_start),
+        n,
+        v,
+        d,
+        int(vocab_start),
         float(softcap) if has_softcap else 1.0,
         float(temperature) if has_temp else 1.0,
         float(filter_eps) if filt else 0.0,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0, targets.stride(0),
-        coef.stride(0), coef.stride(1),
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        targets.stride(0),
+        coef.stride(0),
+        coef.stride(1),
     )
     flags = dict(
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_softcap, HAS_TEMP=has_temp,
-        FILTER=filt, GAMMA_IN_TILE=gamma_in_tile,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=has_softcap,
+        HAS_TEMP=has_temp,
+        FILTER=filt,
+        GAMMA_IN_TILE=gamma_in_tile,
         USE_LIBDEVICE=use_libdevice(interpret),
         DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, BLOCK_D_OUT=bdo,
+        BLOCK_N=bn,
+        BLOCK_V=bv,
+        BLOCK_D=bd,
+        BLOCK_D_OUT=bdo,
     )
     dummy = lse  # never dereferenced: the matching NEED_* flag is False
 
@@ -561,20 +1128,55 @@ def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temp
         progs = 3 if props is None else props.sms
         progs = max(1, min(supers, progs, _config.SUPER_SCRATCH_BYTES // per_program))
         scratch = torch.empty(progs * 3 * bn * bv, dtype=hidden.dtype, device=device)
-        launches.append((_grads_super_kernel, (progs,), (
-            *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
-            db if db is not None else dummy, scratch, *scalars,
-            dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
-        ), dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
-                GROUP_N=group_n, **flags, **launch)))
+        launches.append(
+            (
+                _grads_super_kernel,
+                (progs,),
+                (
+                    *common,
+                    dh if dh is not None else dummy,
+                    dw if dw is not None else dummy,
+                    db if db is not None else dummy,
+                    scratch,
+                    *scalars,
+                    dh.stride(0) if dh is not None else 0,
+                    dw.stride(0) if dw is not None else 0,
+                ),
+                dict(
+                    NEED_DH=dh is not None,
+                    NEED_DW=dw is not None,
+                    NEED_DB=db is not None,
+                    GROUP_N=group_n,
+                    **flags,
+                    **launch,
+                ),
+            )
+        )
     elif not deterministic:
         grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        launches.append((_grads_fused_kernel, grid, (
-            *common, dh if dh is not None else dummy, dw if dw is not None else dummy,
-            db if db is not None else dummy, *scalars,
-            dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
-        ), dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None,
-                GROUP_N=group_n, **flags, **launch)))
+        launches.append(
+            (
+                _grads_fused_kernel,
+                grid,
+                (
+                    *common,
+                    dh if dh is not None else dummy,
+                    dw if dw is not None else dummy,
+                    db if db is not None else dummy,
+                    *scalars,
+                    dh.stride(0) if dh is not None else 0,
+                    dw.stride(0) if dw is not None else 0,
+                ),
+                dict(
+                    NEED_DH=dh is not None,
+                    NEED_DW=dw is not None,
+                    NEED_DB=db is not None,
+                    GROUP_N=group_n,
+                    **flags,
+                    **launch,
+                ),
+            )
+        )
     else:
         if dh is not None:
             dh_flags = flags
@@ -583,19 +1185,51 @@ def plan(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temp
             smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
             if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
                 dh_flags = dict(flags, BLOCK_N=bn // 2)
-            launches.append((_grads_dh_kernel, (triton.cdiv(n, dh_flags["BLOCK_N"]),),
-                             (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
+            launches.append(
+                (
+                    _grads_dh_kernel,
+                    (triton.cdiv(n, dh_flags["BLOCK_N"]),),
+                    (*common, dh, *scalars, dh.stride(0)),
+                    dict(**dh_flags, **launch),
+                )
+            )
         if dw is not None or db is not None:
-            launches.append((_grads_dw_kernel, (triton.cdiv(v, bv),), (
-                *common, dw if dw is not None else dummy, db if db is not None else dummy,
-                *scalars, dw.stride(0) if dw is not None else 0,
-            ), dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch)))
+            launches.append(
+                (
+                    _grads_dw_kernel,
+                    (triton.cdiv(v, bv),),
+                    (
+                        *common,
+                        dw if dw is not None else dummy,
+                        db if db is not None else dummy,
+                        *scalars,
+                        dw.stride(0) if dw is not None else 0,
+                    ),
+                    dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch),
+                )
+            )
     return dh, dw, db, launches
 
 
-def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-          need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False,
-          _blocks=None, _schedule="tiles"):
+def grads(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    coef,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    need_hidden,
+    need_weight,
+    need_bias,
+    filter_eps=None,
+    deterministic=False,
+    _blocks=None,
+    _schedule="tiles",
+):
     """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
     float32, None where not needed (``d_bias`` is None when ``bias`` is None).
 
@@ -619,10 +1253,23 @@ def grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, tem
     lse = lse.to(torch.float32).contiguous()
     coef = coef.to(torch.float32)
     dh, dw, db, launches = plan(
-        hidden, weight, bias, targets, lse, coef, vocab_start=vocab_start, softcap=softcap,
-        temperature=temperature, need_hidden=need_hidden, need_weight=need_weight,
-        need_bias=need_bias, filter_eps=filter_eps, deterministic=deterministic, _blocks=_blocks,
-        _schedule=_schedule)
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        coef,
+        vocab_start=vocab_start,
+        softcap=softcap,
+        temperature=temperature,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        _blocks=_blocks,
+        _schedule=_schedule,
+    )
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
 

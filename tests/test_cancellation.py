@@ -64,8 +64,21 @@ def test_dw_token_chunk_partials_accumulate_in_float32():
     coef = torch.zeros(n, 4)
     sign = torch.where((torch.arange(n) // 3) % 2 == 0, 1.0, -1.0)  # alternate sign per chunk
     coef[:, 0] = sign  # ALPHA
-    _, dw, _ = torch_impl.grads(h, w, None, targets, z, coef, vocab_start=0, softcap=None, temperature=1.0,
-                                need_hidden=False, need_weight=True, need_bias=False, chunk_size=3)
+    _, dw, _ = torch_impl.grads(
+        h,
+        w,
+        None,
+        targets,
+        z,
+        coef,
+        vocab_start=0,
+        softcap=None,
+        temperature=1.0,
+        need_hidden=False,
+        need_weight=True,
+        need_bias=False,
+        chunk_size=3,
+    )
     exact = (sign.double()[:, None] * h.double()).sum(0)
     bound = n * U32 * h.double().abs().sum(0)
     assert ((dw[0].double() - exact).abs() <= bound).all(), (dw[0] - exact).abs().max()
@@ -80,8 +93,9 @@ def test_z_loss_gradient_of_a_certain_token(impl, grad_in_forward):
     h = torch.tensor([[0.2352]])
     w = torch.tensor([[1.6]])
     t = torch.tensor([0])
-    dh, dw = _grads(linear_cross_entropy, h, w, t, [torch.tensor(1.0)], z_loss=1e-4, impl=impl,
-                    grad_in_forward=grad_in_forward)
+    dh, dw = _grads(
+        linear_cross_entropy, h, w, t, [torch.tensor(1.0)], z_loss=1e-4, impl=impl, grad_in_forward=grad_in_forward
+    )
     rh, rw = _grads(_exact_cross_entropy, h.double(), w.double(), t, [torch.tensor(1.0)], z_loss=1e-4)
     for got, ref in ((dh, rh), (dw, rw)):
         assert ((got.double() - ref).abs() <= 1e-6 * ref.abs()).all(), (got, ref)
@@ -98,8 +112,16 @@ def test_label_smoothing_gradient_of_a_certain_token(impl, eps, grad_in_forward)
     h = torch.tensor([[0.2352]])
     w = torch.tensor([[1.6]])
     t = torch.tensor([0])
-    dh, dw = _grads(linear_cross_entropy, h, w, t, [torch.tensor(1.0)], label_smoothing=eps, impl=impl,
-                    grad_in_forward=grad_in_forward)
+    dh, dw = _grads(
+        linear_cross_entropy,
+        h,
+        w,
+        t,
+        [torch.tensor(1.0)],
+        label_smoothing=eps,
+        impl=impl,
+        grad_in_forward=grad_in_forward,
+    )
     rh, rw = _grads(_exact_cross_entropy, h.double(), w.double(), t, [torch.tensor(1.0)], label_smoothing=eps)
     for got, ref, other in ((dh, rh, w), (dw, rw, h)):
         assert ((got.double() - ref).abs() <= U32 * eps * other.double().abs()).all(), (got, ref)

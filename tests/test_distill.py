@@ -318,12 +318,12 @@ def test_chunk_buffers_are_chunk_sized(monkeypatch, div, blocks):
 
     made = []
 
-    class Counting(DTM._Block):
+    class Counting(DTM.LogitsBlock):
         def __init__(self, v_local, max_tokens, device):
             made.append((v_local, max_tokens))
             super().__init__(v_local, max_tokens, device)
 
-    monkeypatch.setattr(DTM, "_Block", Counting)
+    monkeypatch.setattr(DTM, "LogitsBlock", Counting)
     n, v, step = 40, 37, 8
     g = torch.Generator().manual_seed(0)
     sh = torch.randn(n, DS, generator=g, requires_grad=True)

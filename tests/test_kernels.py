@@ -59,8 +59,7 @@ def make_inputs(n, d, v, dtype, *, bias, vocab_start, seed=0):
         t[0] = IGNORE
         t[1] = vocab_start + v - 1  # last local row: the ragged last tile
     dev = DEVICE
-    return (h.to(dtype).to(dev), w.to(dtype).to(dev),
-            None if b is None else b.to(dtype).to(dev), t.to(dev))
+    return (h.to(dtype).to(dev), w.to(dtype).to(dev), None if b is None else b.to(dtype).to(dev), t.to(dev))
 
 
 def oracle_logits(h, w, b, softcap, temperature):
@@ -320,8 +319,7 @@ def test_grads_half_no_worse_than_materialized(dtype, i, deterministic):
     hc, wc, bc, tc = _cpu(h, w, b, t)
     lse = shard_lse(hc, wc, bc, softcap, temp)
     coef = make_coef(n, seed=i).cpu()
-    got = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp,
-                     deterministic=deterministic)
+    got = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp, deterministic=deterministic)
     ref = oracle_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
     mat = materialized_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
     for g, r, m in zip(got, ref, mat):
@@ -377,17 +375,14 @@ def test_grads_need_flags_and_no_bias():
     lse = shard_lse(*_cpu(h, w, b), None, 1.0).to(DEVICE)
     coef = make_coef(7)
     ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), 0, None, 1.0)
-    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0,
-                            need_hidden=True, need_weight=False, need_bias=False)
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0, need_hidden=True, need_weight=False, need_bias=False)
     assert dw is None and db is None
     _check_fp32_grads((dh,), ref[:1])
-    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0,
-                            need_hidden=False, need_weight=False, need_bias=True)
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0, need_hidden=False, need_weight=False, need_bias=True)
     assert dh is None and dw is None
     _check_fp32_grads((db,), ref[2:])
     for det in (False, True):
-        dh, dw, db = _run_grads(h, w, None, t, lse, coef, 0, None, 1.0, need_bias=True,
-                                deterministic=det)
+        dh, dw, db = _run_grads(h, w, None, t, lse, coef, 0, None, 1.0, need_bias=True, deterministic=det)
         assert db is None
         ref_nb = oracle_grads(*_cpu(h, w, None, t, lse, coef), 0, None, 1.0)
         _check_fp32_grads((dh, dw), ref_nb[:2])
@@ -460,8 +455,7 @@ def test_filter_keeps_target_and_uniform_terms_exact(softcap, deterministic):
     coef = make_coef(n, seed=3)
     coef[:, ALPHA] = 0
     coef[:, DELTA] = 0
-    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, 0.7, filter_eps=1e30,
-                     deterministic=deterministic)
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, 0.7, filter_eps=1e30, deterministic=deterministic)
     ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, 0.7)
     _check_fp32_grads(got, ref)
 
@@ -484,8 +478,20 @@ def test_filter_error_is_bounded_and_filter_skips():
     bound_db = rowscale.sum()
     for det in (False, True):
         # Fixed small tiles (also on a GPU) so that some tiles are entirely below the threshold.
-        dh, dw, db = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, None, temp,
-                                filter_eps=eps, deterministic=det, _blocks=(16, 32, 16, 16))
+        dh, dw, db = _run_grads(
+            h,
+            w,
+            b,
+            t,
+            lse.to(DEVICE),
+            coef.to(DEVICE),
+            vs,
+            None,
+            temp,
+            filter_eps=eps,
+            deterministic=det,
+            _blocks=(16, 32, 16, 16),
+        )
         for g, r, bound in ((dh, exact[0], bound_dh), (dw, exact[1], bound_dw)):
             assert ((g.double() - r).abs() <= bound + 1e-5 * scale(r)).all()
         assert ((db.double() - exact[2]).abs() <= bound_db + 1e-5 * scale(exact[2])).all()
@@ -532,8 +538,7 @@ def test_cpu_tensors_without_interpreter_raise():
         print("OK")
     """)
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -591,15 +596,59 @@ def test_gpu_realistic_shape(dtype):
     torch.testing.assert_close(stats_lse(st), stats_lse(ref_st), rtol=1e-4, atol=tol)
     torch.testing.assert_close(st[:, TARGET], ref_st[:, TARGET], rtol=1e-4, atol=tol)
     for det in (False, True):
-        dh, dw, db = K.grads(h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
-                             need_hidden=True, need_weight=True, need_bias=True, deterministic=det)
+        dh, dw, db = K.grads(
+            h,
+            w,
+            b,
+            t,
+            lse,
+            coef,
+            vocab_start=vs,
+            softcap=30.0,
+            temperature=0.9,
+            need_hidden=True,
+            need_weight=True,
+            need_bias=True,
+            deterministic=det,
+        )
         for g, r in ((dh, ref_dh), (dw, ref_dw), (db, ref_db)):
             assert max_err(g, r) <= (1e-4 if dtype == torch.float32 else 1e-2) * scale(r)
-    again = K.grads(h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
-                    need_hidden=True, need_weight=True, need_bias=True, deterministic=True)
-    assert all(torch.equal(x, y) for x, y in zip(again, K.grads(
-        h, w, b, t, lse, coef, vocab_start=vs, softcap=30.0, temperature=0.9,
-        need_hidden=True, need_weight=True, need_bias=True, deterministic=True)))
+    again = K.grads(
+        h,
+        w,
+        b,
+        t,
+        lse,
+        coef,
+        vocab_start=vs,
+        softcap=30.0,
+        temperature=0.9,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=True,
+        deterministic=True,
+    )
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(
+            again,
+            K.grads(
+                h,
+                w,
+                b,
+                t,
+                lse,
+                coef,
+                vocab_start=vs,
+                softcap=30.0,
+                temperature=0.9,
+                need_hidden=True,
+                need_weight=True,
+                need_bias=True,
+                deterministic=True,
+            ),
+        )
+    )
 
 
 @pytest.mark.gpu
@@ -623,7 +672,20 @@ def test_gpu_64bit_offsets():
     lse = stats_lse(st).float()
     coef = torch.zeros(n, 4, device=dev)
     coef[:, BETA] = 1.0  # only the target term: dW rows = sum of h over rows targeting them
-    _, dw, _ = K.grads(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=1.0,
-                       need_hidden=False, need_weight=True, need_bias=False, filter_eps=1e30)
+    _, dw, _ = K.grads(
+        h,
+        w,
+        None,
+        t,
+        lse,
+        coef,
+        vocab_start=0,
+        softcap=None,
+        temperature=1.0,
+        need_hidden=False,
+        need_weight=True,
+        need_bias=False,
+        filter_eps=1e30,
+    )
     torch.testing.assert_close(dw[-1], h.float().sum(0), rtol=1e-5, atol=1e-4)
     assert dw[: v - 1].abs().max().item() == 0.0
