@@ -145,6 +145,17 @@ def _dz_tile(
     # p == 0 (a -inf logit, e.g. a masked token's -inf bias) contributes exactly 0, not 0 * inf.
     # (!= rather than >: a NaN p must still propagate.)
     pterm = tl.where(ok & (p != 0.0), p * (alpha[:, None] + delta[:, None] * zc), 0.0)
+    if FILTER:
+        # Relative to each row's coefficient scale, so the threshold does not depend on the
+        # upstream gradient's magnitude (a mean over many tokens makes every ALPHA tiny).
+        # beta - alpha: the target term's coefficient on its own (BETA is the target's excess over ALPHA)
+        scale = tl.maximum(tl.maximum(tl.abs(alpha), tl.abs(beta - alpha)), tl.abs(delta))
+        # reduced to the tile's verdict here, before dz is formed, so no mask tile stays live
+        small = tl.abs(pterm) <= filter_eps * scale[:, None]
+        keep = tl.min(tl.where(small, 1, 0)) == 0
+        keep = keep | (tl.max(tl.where(hit & (beta[:, None] != alpha[:, None]), 1, 0)) > 0)
+        if GAMMA_IN_TILE:
+            keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
     # At the target: (p - 1) * ALPHA + BETA (+ the DELTA term); p - 1 is exact near p = 1, so the
     # small terms of BETA (z-loss, smoothing, entropy) are not lost to a cancellation with ALPHA.
     dterm = tl.where(ok & (p != 0.0), p * delta[:, None] * zc, 0.0)
@@ -158,17 +169,7 @@ def _dz_tile(
         dz = dz * (1.0 - t * t)
     dz = tl.where(ok, dz, 0.0)
 
-    if FILTER:
-        # Relative to each row's coefficient scale, so the threshold does not depend on the
-        # upstream gradient's magnitude (a mean over many tokens makes every ALPHA tiny).
-        # beta - alpha: the target term's coefficient on its own (BETA is the target's excess over ALPHA)
-        scale = tl.maximum(tl.maximum(tl.abs(alpha), tl.abs(beta - alpha)), tl.abs(delta))
-        small = tl.abs(pterm) <= filter_eps * scale[:, None]
-        keep = tl.min(tl.where(small, 1, 0)) == 0
-        keep = keep | (tl.max(tl.where(hit & (beta[:, None] != alpha[:, None]), 1, 0)) > 0)
-        if GAMMA_IN_TILE:
-            keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
-    else:
+    if not FILTER:
         keep = True
     return dz, keep, active
 

@@ -203,6 +203,10 @@ def backward_config(
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
+    if deterministic and (heavy or props.mma == "mma"):
+        # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
+        # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
+        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
         cands = [
