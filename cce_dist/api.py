@@ -145,6 +145,7 @@ def _exchange(
         # single-device call would, instead of contributing no target logit (loss = lse).
         check_target_range(rows.targets, opts.ignore_index, layout.vocab_size)
         return layout, rows
+    # the keywords mirror parallel.handshake's signature (api.py and distill.py pass their own values)
     layout = handshake(
         shard,
         error,

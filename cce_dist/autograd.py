@@ -49,18 +49,23 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _forward_stats(plan: Plan, h: torch.Tensor, w, b, targets, softcap, temperature) -> torch.Tensor:
+def _forward_stats(
+    plan: Plan, hidden, weight, bias, targets, softcap, temperature
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
+    (``h``), and the row statistics reduced over the group."""
+    h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
     local = plan.backend.row_stats(
         h,
-        w,
-        b,
+        weight.to(plan.compute_dtype),
+        to_dtype(bias, plan.compute_dtype),
         targets,
         vocab_start=plan.vocab_start,
         softcap=softcap,
         temperature=temperature,
         **plan.backend_kwargs.get("row_stats", {}),
     )
-    return plan.comm.reduce_stats(local)
+    return h, plan.comm.reduce_stats(local)
 
 
 #: raised by every backward here when asked for a differentiable gradient (create_graph=True)
@@ -112,13 +117,35 @@ def _backward_grads(ctx, plan: Plan, saved, coef: torch.Tensor, lse: torch.Tenso
             need_bias=need_b,
             **plan.backend_kwargs.get("grads", {}),
         )
-        if dh is not None:
-            dh = plan.comm.reduce_hidden_grad(dh).to(ctx.hidden_dtype)
+        return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias)
+
+
+def finish_grads(comm: Comm, dh, dw, db, hidden_dtype: torch.dtype, weight, bias):
+    """``(d_hidden, d_weight, d_bias)`` as returned to autograd: ``dh`` reduced over the group (the
+    sequence-parallel reduce-scatter or the tensor-parallel all-reduce) and each gradient (or ``None``) cast to its
+    tensor's dtype."""
+    if dh is not None:
+        dh = comm.reduce_hidden_grad(dh).to(hidden_dtype)
     return (
         dh,
         None if dw is None else dw.to(weight.dtype),
         None if db is None else db.to(bias.dtype),
     )
+
+
+def _save(ctx, plan: Plan, opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
+    """Save ``(h, weight, bias, targets, row tensor, valid)`` and the call's plan, options and hidden dtype."""
+    ctx.save_for_backward(*tensors)
+    ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden_dtype
+
+
+def _saved(ctx):
+    """``(plan, opts, (h, weight, bias, targets), row tensor, valid)`` as :func:`_save` left them, after refusing a
+    second-order backward. ``ctx.saved_tensors`` is read once (non-reentrant checkpointing unpacks each saved
+    tensor only once)."""
+    refuse_second_order()
+    saved = ctx.saved_tensors
+    return ctx.plan, ctx.opts, saved[:4], saved[4], saved[5]
 
 
 class CrossEntropyRows(torch.autograd.Function):
@@ -127,24 +154,17 @@ class CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
         with _no_autocast(hidden.device):
-            h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(
-                plan, h, weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype), targets, opts.softcap, 1.0
-            )
+            h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, 1.0)
             valid = targets != opts.ignore_index
             loss, lse = formulas.cross_entropy_rows(
                 stats, valid, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
             )
-        ctx.save_for_backward(h, weight, bias, targets, lse, valid)
-        ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
+        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, lse, valid)
         return loss, lse
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
-        refuse_second_order()
-        plan, opts = ctx.plan, ctx.opts
-        saved = ctx.saved_tensors
-        lse, valid = saved[4:6]
+        plan, opts, saved, lse, valid = _saved(ctx)
         coef = formulas.cross_entropy_coef(
             lse,
             valid,
@@ -154,7 +174,7 @@ class CrossEntropyRows(torch.autograd.Function):
             z_loss=opts.z_loss,
             vocab_size=plan.vocab_size,
         )
-        return _backward_grads(ctx, plan, saved[:4], coef, lse, opts.softcap, 1.0) + (None, None, None)
+        return _backward_grads(ctx, plan, saved, coef, lse, opts.softcap, 1.0) + (None, None, None)
 
 
 class LogprobRows(torch.autograd.Function):
@@ -163,30 +183,17 @@ class LogprobRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
         with _no_autocast(hidden.device):
-            h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
-            stats = _forward_stats(
-                plan,
-                h,
-                weight.to(plan.compute_dtype),
-                to_dtype(bias, plan.compute_dtype),
-                targets,
-                opts.softcap,
-                opts.temperature,
-            )
+            h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, opts.temperature)
             valid = targets != opts.ignore_index
             lp, ent = formulas.logprob_rows(stats, valid)
-        ctx.save_for_backward(h, weight, bias, targets, stats, valid)
-        ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
+        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, stats, valid)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        refuse_second_order()
-        plan, opts = ctx.plan, ctx.opts
-        saved = ctx.saved_tensors
-        stats, valid = saved[4:6]
+        plan, opts, saved, stats, valid = _saved(ctx)
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
-        return _backward_grads(ctx, plan, saved[:4], coef, S.lse(stats), opts.softcap, opts.temperature) + (
+        return _backward_grads(ctx, plan, saved, coef, S.lse(stats), opts.softcap, opts.temperature) + (
             None,
             None,
             None,

@@ -144,6 +144,9 @@ def _grads(
 # ----------------------------------------------------------------------------------------------
 # cross-entropy rows
 # ----------------------------------------------------------------------------------------------
+# torch.library.custom_op reads each op's schema from its annotated signature, so every op spells out its
+# arguments in full, and the backward ops pass them on to _grads in the same order: the repeated argument
+# lists below mirror those signatures.
 
 
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())

@@ -157,6 +157,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
                 "linear_distillation needs VocabShard(check=True): its handshake checks that every rank "
                 "holds the same vocabulary rows of both heads"
             )
+        # the keywords mirror parallel.handshake's signature (api.py and distill.py pass their own values)
         layout = handshake(
             shard,
             error,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distill_torch as DT
+from .autograd import finish_grads
 from .options import DistillationOptions
 from .parallel import Comm
 
@@ -56,6 +57,8 @@ def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
     return hs, ht
 
 
+# DistillRows and FusedDistill take the same positional inputs (autograd.Function.apply has no keywords), so their
+# forward signatures repeat the one list.
 class DistillRows(torch.autograd.Function):
     """``(h_s [n, D_s], W_s [V_local, D_s], b_s, h_t [n, D_t], W_t, b_t, targets [N], valid [N])``
     ``-> loss float32 [N]``."""
@@ -91,20 +94,7 @@ class DistillRows(torch.autograd.Function):
         with torch.autocast(device_type=hs.device.type, enabled=False):
             heads = _heads(plan, ctx.opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
             dh, dw, db = DT.grads(heads, plan.step, stats, rows, g, need)
-            if dh is not None:
-                dh = plan.comm.reduce_hidden_grad(dh).to(ctx.hidden_dtype)
-        return (
-            dh,
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias) + (None,) * 7
 
 
 class FusedDistill(torch.autograd.Function):

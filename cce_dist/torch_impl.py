@@ -305,6 +305,7 @@ def inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> 
     return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
 
 
+# The signature mirrors the Backend protocol's grads (cce_dist.backend), plus this backend's chunk_size.
 def grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -404,61 +405,23 @@ def fused_cross_entropy(
     lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
     block = LogitsBlock(weight.shape[0], min(chunk_tokens_, max(n_tokens, 1)), hidden.device)
     hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
-    for sl in token_chunks(n_tokens, chunk_tokens_):
+
+    def chunk(sl: slice) -> None:
         # A function per chunk, so its temporaries die before the next chunk starts.
-        _fused_chunk(
-            acc,
-            block,
-            loss,
-            lse,
-            hidden,
-            weight,
-            bias,
-            targets,
-            valid,
-            row_grad,
-            coef_fn,
-            rows_fn,
-            sl,
-            vocab_start,
-            softcap,
-            reduce_stats,
-            need_sum,
-            round_to,
+        z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
+        local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
+        glob = reduce_stats(local) if reduce_stats is not None else local
+        loss[sl], lse[sl] = rows_fn(glob, valid[sl])
+        if acc.dh is None and acc.dw is None and acc.db is None:
+            return
+        # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse): the factor joins alpha's pass
+        c = coef_fn(lse[sl], valid[sl]) * row_grad
+        inactive = _inactive_rows(c)
+        dz = _finish_dz(
+            z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=torch.exp(local[:, S.MAX] - lse[sl])
         )
+        acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
+
+    for sl in token_chunks(n_tokens, chunk_tokens_):
+        chunk(sl)
     return (loss, lse) + acc.result()
-
-
-def _fused_chunk(
-    acc,
-    block,
-    loss,
-    lse,
-    hidden,
-    weight,
-    bias,
-    targets,
-    valid,
-    row_grad,
-    coef_fn,
-    rows_fn,
-    sl,
-    vocab_start,
-    softcap,
-    reduce_stats,
-    need_sum,
-    round_to,
-):
-    z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
-    local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
-    glob = reduce_stats(local) if reduce_stats is not None else local
-    loss[sl], lse[sl] = rows_fn(glob, valid[sl])
-    if acc.dh is None and acc.dw is None and acc.db is None:
-        return
-    # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse): the factor joins alpha's pass
-    c = coef_fn(lse[sl], valid[sl]) * row_grad
-    inactive = _inactive_rows(c)
-    dz = _finish_dz(
-        z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=torch.exp(local[:, S.MAX] - lse[sl])
-    )
-    acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)

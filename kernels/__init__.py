@@ -55,6 +55,7 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
     )
 
 
+# The signature mirrors cce_dist.backend.Backend.grads, and the call below passes it on to .backward.grads.
 def grads(
     hidden,
     weight,

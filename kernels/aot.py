@@ -143,6 +143,8 @@ def _meta_inputs(n: int, d: int, v: int, dtype: torch.dtype, bias: bool):
     return h, w, b, t
 
 
+# forward_launches and backward_launches take one shape and option list (the kernels' own), hence the alike
+# signatures.
 def forward_launches(
     props: _config.DeviceProps,
     dtype: torch.dtype,
