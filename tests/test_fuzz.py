@@ -34,6 +34,7 @@ import random
 import pytest
 import torch
 from dist_utils import run_ranks
+from helpers import TRITON, close_report
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 hyp = pytest.importorskip("hypothesis")
@@ -71,50 +72,9 @@ CI_SHARDED_TORCH = 70  # per spawn, every rank runs all of them
 CI_SHARDED_TRITON = 4
 
 
-def _triton_ok() -> bool:
-    try:
-        from cce_dist import kernels
-
-        return kernels.available()
-    except Exception:  # noqa: BLE001
-        return False
-
-
-TRITON = _triton_ok()
 needs_triton = pytest.mark.skipif(not TRITON, reason="cce_dist.kernels unavailable (triton missing / no interpreter)")
 
 EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-# ----------------------------------------------------------------------------------------------
-# comparison helpers (shared with test_numerics.py)
-# ----------------------------------------------------------------------------------------------
-
-
-def close_report(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
-    """None if ``got`` matches ``want`` (non-finite entries must match exactly), else a message."""
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    g, w = got.detach().double(), want.detach().double()
-    fin = torch.isfinite(w)
-    if not torch.equal(torch.isnan(g), torch.isnan(w)):
-        return (
-            f"NaN pattern differs: got {torch.isnan(g).nonzero().flatten().tolist()[:8]}, want "
-            f"{torch.isnan(w).nonzero().flatten().tolist()[:8]}"
-        )
-    inf_w = torch.isinf(w)
-    if not torch.equal(g[inf_w], w[inf_w]) or bool(torch.isinf(g[~inf_w]).any()):
-        return "Inf pattern differs"
-    if fin.any():
-        err = (g[fin] - w[fin]).abs()
-        lim = atol + rtol * w[fin].abs()
-        if bool((err > lim).any()):
-            k = int(torch.argmax(err - lim))
-            return (
-                f"max err {float(err.max()):.3g} (at {k}: got {float(g[fin][k]):.6g}, want {float(w[fin][k]):.6g}, "
-                f"atol {atol:.3g}, rtol {rtol:.3g})"
-            )
-    return None
 
 
 def grad_tol(dtype: torch.dtype, ref: torch.Tensor) -> float:
