@@ -14,7 +14,8 @@ Precision model (matches the library's contract):
   the baseline a low-precision implementation must not be worse than). ``dtype=None`` leaves the
   tensors as they are, so under ``torch.autocast`` the projection runs in the autocast dtype.
 - Everything after the projection (softcap, temperature, softmax, reductions) runs in float32,
-  on the rounded logits.
+  on the rounded logits; with ``dtype=torch.float64`` it runs in float64 (the exact reference,
+  outputs float64).
 - Gradients flow back through the casts, so they arrive in each input tensor's own dtype.
 
 Public functions::
@@ -57,8 +58,10 @@ def oracle_logits(
     temperature: float = 1.0,
     dtype: torch.dtype | None = torch.float32,
 ) -> Tensor:
-    """Materialized float32 logits ``[..., V]``: ``softcap(linear(h, W, b) rounded to dtype) / T``."""
-    z = F.linear(_cast(hidden, dtype), _cast(weight, dtype), _cast(bias, dtype)).float()
+    """Materialized logits ``[..., V]``: ``softcap(linear(h, W, b) rounded to dtype) / T``, float32 (float64 for
+    ``dtype=torch.float64``)."""
+    z = F.linear(_cast(hidden, dtype), _cast(weight, dtype), _cast(bias, dtype))
+    z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     if temperature != 1.0:
