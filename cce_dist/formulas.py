@@ -12,6 +12,13 @@ from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
 
 
+def _effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
+    """``label_smoothing``, or 0 for a one-entry vocabulary, where the smoothing term ``lse - mean_j z_j`` is 0
+    identically: its gradient terms (``eps`` at the target, ``-eps/V`` everywhere) cancel exactly in the math, and
+    forming them would leave their rounding (an ulp of ``eps * g``) in place of the z-loss term they swamp."""
+    return 0.0 if vocab_size <= 1 else label_smoothing
+
+
 def cross_entropy_rows(
     stats: torch.Tensor, valid: torch.Tensor, *, label_smoothing: float, z_loss: float, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +28,7 @@ def cross_entropy_rows(
     """
     lse = S.lse(stats)
     loss = lse - stats[:, S.TARGET]
+    label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
     if label_smoothing:
         smooth = lse - S.mean_logit(stats, vocab_size)
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
@@ -43,6 +51,7 @@ def cross_entropy_coef(
     """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
+    label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
     alpha = g
     if z_loss:  # where(): an ignored row has g = 0 but may have lse = NaN, and 0 * NaN is NaN
         alpha = torch.where(valid, g * (1.0 + 2.0 * z_loss * lse), torch.zeros_like(g))

@@ -420,6 +420,27 @@ def test_very_peaked_and_very_flat_rows(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gif", [None, False], ids=["fused", "recompute"])
+@pytest.mark.parametrize("eps", [1.0, 0.3])
+def test_one_entry_vocabulary_smoothing_leaves_the_z_loss_gradient_exact(impl, gif, eps):
+    """V = 1: every logit is the target's, so the smoothing term ``lse - mean z`` is 0 identically and the only
+    gradient is the z-loss's ``2 * zl * lse``. Its smoothing terms (``+eps`` at the target, ``-eps/V`` everywhere)
+    cancel in the math; formed in float32 they left an ulp of ``eps * g`` (1.2e-7 on a 3e-4 bias gradient, 4e-4
+    relative; the materialized fp32 program is exact). Every path must match the float64 oracle to fp32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(11, 2, generator=g) * 0.05
+    w = torch.randn(1, 2, generator=g)
+    b = torch.randn(1, generator=g) * 0.1
+    t = torch.zeros(11, dtype=torch.long)
+    kw = dict(reduction="sum", label_smoothing=eps, z_loss=1e-4)
+    got_out, got = _run(linear_cross_entropy, h, w, b, t, impl=impl, grad_in_forward=gif, chunk_size=1, **kw)
+    want_out, want = _run(oracle_cross_entropy, h.double(), w.double(), b.double(), t, dtype=torch.float64, **kw)
+    assert close_report(got_out[0], want_out[0], 1e-9, 1e-6) is None
+    for x, y in zip(got, want):  # fp32 rounding of each term (the gradients are ~1e-4 .. 1e-3)
+        assert (r := close_report(x, y, 0.0, 1e-5)) is None, r
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_duplicated_rows_and_vocab_entries(impl):
     """Identical tokens give identical losses and gradient rows; tied vocab rows are harmless."""
     g = torch.Generator().manual_seed(2)
