@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from benchmarks.common import (
     RESULTS,
-    CollectiveCounter,
     close_env,
     env_info,
     env_markdown,
@@ -43,6 +42,7 @@ from benchmarks.common import (
     md_table,
     save_results,
 )
+from cce_dist.testing import CollectiveLog
 
 METHODS = ("allreduce", "allgather")
 TPS = (2, 4, 8)
@@ -60,7 +60,7 @@ def worker(rank, world, port, cfg, outdir):
     from cce_dist.parallel import Comm
 
     group = dist.group.WORLD
-    counter = CollectiveCounter().install()
+    counter = CollectiveLog().install()
 
     def slowest(fn) -> float:
         dist.barrier()

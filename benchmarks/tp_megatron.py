@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     RESULTS,
-    CollectiveCounter,
     close_env,
     env_info,
     env_markdown,
@@ -52,6 +51,7 @@ from benchmarks.common import (
     save_results,
     steady_growth,
 )
+from cce_dist.testing import CollectiveLog
 
 TP = 2
 N, D, V = 4096, 512, 65536
@@ -156,7 +156,7 @@ def timing_worker(rank, world, port, cfg, outdir):
             if rank == 0:
                 print(f"[tp_megatron] {name}: {res[name]['wall_s'][-1]:.2f}s", file=sys.stderr, flush=True)
     # one more step of each with the collective shims installed (not timed)
-    counter = CollectiveCounter().install()
+    counter = CollectiveLog().install()
     for name in steps:
         with counter.counting():
             steps[name]()

@@ -4,19 +4,18 @@
   else a message naming the worst element.
 - ``Failures``: collects failing checks of a case (named) instead of raising, so that a rank keeps
   issuing its collectives in step with its peers; the parent asserts there are none.
-- ``CountCollectives``: records every ``torch.distributed`` collective issued inside a block
-  (name, shape, dtype, reduce op) and classifies them into the steps of the TP protocol.
 - ``leaf(x)``: a detached copy of ``x`` that requires grad (None stays None), for the oracle's inputs.
 - ``TRITON``: whether ``cce_dist.kernels`` can run here (a GPU, or Triton's CPU interpreter).
 
-The reference program itself lives in tests/oracle.py; spawning ranks in tests/dist_utils.py.
+The reference program itself lives in tests/oracle.py; spawning ranks in tests/dist_utils.py; counting
+collectives in ``cce_dist.testing.CollectiveLog`` (shared with the benchmarks).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TRITON", "leaf", "close_report", "Failures", "CountCollectives", "COLLECTIVES"]
+__all__ = ["TRITON", "leaf", "close_report", "Failures"]
 
 
 def _triton_ok() -> bool:
@@ -100,88 +99,3 @@ class Failures:
 
     def result(self) -> dict:
         return {"cases": self.cases, "failures": self.items}
-
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "gather",
-    "scatter",
-    "all_gather_object",
-    "broadcast_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
-
-
-class CountCollectives:
-    """Record every torch.distributed collective issued inside the block: (name, shape, dtype, op).
-
-    ``hidden_size`` (the D of the problem) lets ``classify`` tell the hidden-state collectives
-    (token all-gather, dH reduction) from the statistics ones; pick a D that no statistics width
-    equals (they are 4 or 5 wide).
-    """
-
-    def __init__(self, hidden_size: int | None = None):
-        self.calls: list[tuple] = []
-        self.hidden_size = hidden_size
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self.calls, self._orig = [], {}
-        for name in COLLECTIVES:
-            f = getattr(dist, name, None)
-            if f is not None:
-                self._orig[name] = f
-                setattr(dist, name, self._wrap(name, f))
-        return self
-
-    def _wrap(self, name, f):
-        def wrapped(*a, **k):
-            t = a[0] if a else k.get("tensor")
-            if name == "all_gather" and len(a) > 1:
-                t = a[1]
-            op = k.get("op", a[1] if name == "all_reduce" and len(a) > 1 else None)
-            if isinstance(t, torch.Tensor):
-                self.calls.append((name, tuple(t.shape), t.dtype, str(op)))
-            else:
-                self.calls.append((name, None, None, str(op)))
-            return f(*a, **k)
-
-        return wrapped
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, f in self._orig.items():
-            setattr(dist, name, f)
-        return False
-
-    def classify(self) -> dict[str, list]:
-        """Split the calls into handshake / layout / token gather / dH reduction / statistics / other."""
-        d = self.hidden_size
-        out: dict[str, list] = {k: [] for k in ("handshake", "layout", "gather_tokens", "dh", "stats", "other")}
-        for c in self.calls:
-            name, shape, dtype, _ = c
-            if dtype == torch.int64 and name == "all_gather":
-                out["handshake"].append(c)
-            elif dtype == torch.int64 and name == "all_reduce":
-                out["layout"].append(c)
-            elif dtype is not None and dtype.is_floating_point and shape and d is not None and shape[-1] == d:
-                out["gather_tokens" if name in ("all_gather", "all_gather_into_tensor") else "dh"].append(c)
-            elif dtype is not None and dtype.is_floating_point and name in ("all_reduce", "all_gather"):
-                out["stats"].append(c)
-            else:
-                out["other"].append(c)
-        return out

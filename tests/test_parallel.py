@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import CountCollectives, Failures
+from helpers import Failures
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import InputError, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs
 from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
+from cce_dist.testing import CollectiveLog
 from cce_dist.torch_impl import chunk_tokens
 
 D = 16  # hidden size; never equal to a statistics width (4, 5) so collectives can be told apart
@@ -258,7 +259,7 @@ def run_ce_case(rank, world, group, bounds, c, fails, all_ignored=False):
     if c["chunk"] is not None:
         opts["chunk_size"] = c["chunk"]
     nograd = c["needs"] == "nograd"
-    with CountCollectives(D) as fwd, torch.set_grad_enabled(not nograd):
+    with CollectiveLog(hidden_size=D) as fwd, torch.set_grad_enabled(not nograd):
         if c["module"]:
             out = LinearCrossEntropy(shard=shard, **opts)(h, w, t, bias=b)
         else:
@@ -272,7 +273,7 @@ def run_ce_case(rank, world, group, bounds, c, fails, all_ignored=False):
             obj = obj + (lse * g2).sum()
         return obj
 
-    bwd = CountCollectives(D)
+    bwd = CollectiveLog(hidden_size=D)
     if not nograd:
         with bwd:
             objective(loss, lse).backward()
@@ -356,7 +357,12 @@ def _check_counts(fails, name, fwd, bwd, world, c, *, fused, hidden_grad, max_lo
             name,
         )
     fails.check(len(f["gather_tokens"]) == (1 if c["sp"] else 0), f"token gathers {f['gather_tokens']}", name)
-    fails.check(all(x[0] == kind for x in f["stats"]), f"stats collectives {f['stats']} are not {kind}", name)
+    fails.check(all(x.name == kind for x in f["stats"]), f"stats collectives {f['stats']} are not {kind}", name)
+    if coll == "allreduce":  # per chunk one MAX (row maxima) then one SUM (rescaled sums)
+        ops = [x.op for x in f["stats"]]
+        fails.check(
+            ops == ["MAX", "SUM"] * (len(ops) // 2), f"stats all-reduce ops {ops} (want MAX, SUM per chunk)", name
+        )
     n_dh = len(f["dh"]) + len(bk["dh"])
     want_dh = 1 if (hidden_grad and c["rhg"]) else 0
     fails.check(n_dh == want_dh, f"{n_dh} dH reductions (want {want_dh}): fwd {f['dh']} bwd {bk['dh']}", name)
@@ -480,7 +486,7 @@ def run_lp_case(rank, world, group, bounds, c, fails):
     )
     if c["chunk"] is not None:
         opts["chunk_size"] = c["chunk"]
-    with CountCollectives(D) as fwd:
+    with CollectiveLog(hidden_size=D) as fwd:
         out = linear_logprobs(h, w, t, bias=b, shard=shard, **opts)
     lp, ent = out if c["entropy"] else (out, None)
     g1, g2 = P["g1"], P["g2"]
@@ -492,7 +498,7 @@ def run_lp_case(rank, world, group, bounds, c, fails):
             return (ent * g2).sum()
         return (lp * g1).sum() + (ent * g2).sum()
 
-    bwd = CountCollectives(D)
+    bwd = CollectiveLog(hidden_size=D)
     if not nograd:
         with bwd:
             objective(lp, ent).backward()
@@ -647,7 +653,7 @@ def _single_ce(shard, c, fails, name):
     )
     if c["chunk"]:
         opts["chunk_size"] = c["chunk"]
-    with CountCollectives(D) as cnt:
+    with CollectiveLog(hidden_size=D) as cnt:
         out = linear_cross_entropy(h, w, P["t"], bias=b, shard=shard, **opts)
         loss, lse = out if c["return_lse"] else (out, None)
         obj = (loss * P["g1"]).sum() if c["reduction"] == "none" else loss
@@ -684,7 +690,7 @@ def _single_lp(shard, fails, name):
     P = make_problem()
     h = P["H"].clone().requires_grad_(True)
     w = P["W"].clone().requires_grad_(True)
-    with CountCollectives(D) as cnt:
+    with CollectiveLog(hidden_size=D) as cnt:
         lp, ent = linear_logprobs(
             h, w, P["t"], shard=shard, softcap=2.5, temperature=0.7, return_entropy=True, impl="torch"
         )
