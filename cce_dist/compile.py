@@ -69,10 +69,17 @@ def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
         )
 
 
-def _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy):
+def _stats(
+    hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy, need_sum
+):
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
     kw = backend_kwargs(
-        backend, chunk_size=chunk_size, need_entropy=need_entropy, need_sum=True, filter_eps=None, deterministic=False
+        backend,
+        chunk_size=chunk_size,
+        need_entropy=need_entropy,
+        need_sum=need_sum,
+        filter_eps=None,
+        deterministic=False,
     )
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
@@ -168,7 +175,9 @@ def _ce_rows(
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
-    stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, 1.0, impl, chunk_size, False)
+    stats = _stats(
+        hidden, weight, bias, targets, compute_dtype, softcap, 1.0, impl, chunk_size, False, bool(label_smoothing)
+    )
     valid = targets != ignore_index
     return formulas.cross_entropy_rows(stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
 
@@ -300,7 +309,9 @@ def _logprob_rows(
 ) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     _check_targets(targets, ignore_index, weight.shape[0])
-    stats = _stats(hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, return_entropy)
+    stats = _stats(
+        hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, return_entropy, False
+    )
     lp, ent = formulas.logprob_rows(stats, targets != ignore_index)
     return lp, ent, stats
 

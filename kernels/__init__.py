@@ -22,7 +22,7 @@ NAME = "triton"
 FUSED_CHUNKING = False
 SUPPORTS_FILTERING = True
 DETERMINISTIC_OPTION = True  # the default backward uses float atomics
-ROW_STATS_OPTIONS: frozenset[str] = frozenset()
+ROW_STATS_OPTIONS: frozenset[str] = frozenset({"need_entropy", "need_sum"})
 GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
@@ -46,12 +46,24 @@ def available() -> bool:
         return False
 
 
-def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, **kw):
-    """Per-row logit statistics ``float32 [N, NUM_STATS]``; see :func:`.forward.row_stats`."""
+def row_stats(
+    hidden, weight, bias, targets, *, vocab_start, softcap, temperature, need_entropy=True, need_sum=True, **kw
+):
+    """Per-row logit statistics ``float32 [N, NUM_STATS]``; see :func:`.forward.row_stats`
+    (``need_entropy`` / ``need_sum``: compute those columns)."""
     from .forward import row_stats as _row_stats
 
     return _row_stats(
-        hidden, weight, bias, targets, vocab_start=vocab_start, softcap=softcap, temperature=temperature, **kw
+        hidden,
+        weight,
+        bias,
+        targets,
+        vocab_start=vocab_start,
+        softcap=softcap,
+        temperature=temperature,
+        need_entropy=need_entropy,
+        need_sum=need_sum,
+        **kw,
     )
 
 

@@ -156,11 +156,23 @@ def forward_launches(
     softcap=None,
     temperature=None,
     tf32=True,
+    need_sum=True,
+    need_entropy=True,
 ):
     """``[(kernel, grid, args, kwargs)]``: one per forward config the autotuner may pick on ``props``."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     args, flags, configs, splits_of, _out = _fwd.plan(
-        h, w, b, t, vocab_start=0, softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32
+        h,
+        w,
+        b,
+        t,
+        vocab_start=0,
+        softcap=softcap,
+        temperature=temperature,
+        props=props,
+        allow_tf32=tf32,
+        need_sum=need_sum,
+        need_entropy=need_entropy,
     )
     out = []
     for c in configs:
@@ -244,7 +256,8 @@ def matrix(props: _config.DeviceProps):
 
     At the paper shape: every forward candidate and every backward config the library can select
     on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
-    sampled so that each selectable config and each kernel appears: bf16 gets all four backward
+    sampled so that each selectable config and each kernel appears (the forward with all five statistics; bf16
+    also without SUM / ENTROPY, the plain cross-entropy's); bf16 gets all four backward
     flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
     and IEEE fp32 one each; plus the ragged shape once (no divisibility hints)."""
     n, d, v = PAPER_SHAPE
@@ -258,6 +271,8 @@ def matrix(props: _config.DeviceProps):
     for name, dtype, tf32 in DTYPES:
         fwd = forward_launches(props, dtype, n, d, v, tf32=tf32)
         add(f"{name}/plain/fwd", fwd if name != "fp16" else fwd[:1])
+        if name == "bf16":  # the cross-entropy without label smoothing: no SUM / ENTROPY statistics
+            add(f"{name}/ce/fwd", forward_launches(props, dtype, n, d, v, need_sum=False, need_entropy=False))
         if name == "bf16":
             fl = _FLAGS["bias+softcap+temp"]
             add(

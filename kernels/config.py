@@ -141,14 +141,22 @@ SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
 
 
 def forward_candidates(
-    props: DeviceProps, dtype: torch.dtype, tf32: bool = True, softcap: bool = False, aligned: bool = True
+    props: DeviceProps,
+    dtype: torch.dtype,
+    tf32: bool = True,
+    softcap: bool = False,
+    aligned: bool = True,
+    lean: bool = False,
 ) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
     ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
     ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05).
     ``aligned``: rows of H and W start on 16-byte boundaries; unaligned rows get no vectorized /
-    async loads and more address registers, so 256-wide vocab tiles are dropped."""
+    async loads and more address registers, so 256-wide vocab tiles are dropped.
+    ``lean``: the kernel skips the SUM / ENTROPY statistics (the cross-entropy without label
+    smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
+    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
@@ -174,6 +182,8 @@ def forward_candidates(
             FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 128, bd, num_warps=4, num_stages=4),
         ]
+        if lean and not softcap and dtype != torch.float32:
+            cands.insert(0, FwdConfig(128, 256, bd, num_warps=8, num_stages=3))
     else:
         # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
         # the online-softmax epilogue spills; 64x128 over 8 warps does not.

@@ -48,6 +48,8 @@ def _row_stats_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    NEED_SUM: tl.constexpr,
+    NEED_ENTROPY: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -66,6 +68,8 @@ def _row_stats_kernel(
     Out (pointer): fp32 [splits, N, 5] output; columns MAX, SUMEXP, TARGET, SUM, ENTROPY.
     N, V, D (int): sizes. vocab_start (int): global id of local row 0.
     softcap, temperature (float): used when HAS_SOFTCAP / HAS_TEMP.
+    NEED_SUM / NEED_ENTROPY (constexpr): accumulate the SUM (label smoothing) / ENTROPY columns;
+    when False the column is written as 0 and its per-logit work (3-4 ops each) is not compiled in.
     The vocab is cut into ``tl.num_programs(1)`` splits of ``v_per_split`` rows, a multiple of
     BLOCK_V (so only the shard's last tile is ragged); program (pid_n, pid_s) covers
     [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)), possibly empty (then it writes the
@@ -121,15 +125,18 @@ def _row_stats_kernel(
         first = m == float("-inf")
         scale = tl.where(first, 0.0, tl.exp(m - new_m))
         shift = tl.where(first, 0.0, m - new_m)
-        e = (e + s * shift) * scale
+        if NEED_ENTROPY:
+            e = (e + s * shift) * scale
         s = s * scale
 
         zc = z - new_m[:, None]
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         s += tl.sum(p, axis=1)
-        # p == 0 (a -inf logit): its term is 0, not 0 * -inf (!=, so a NaN p still propagates)
-        e += tl.sum(tl.where(col_ok[None, :] & (p != 0.0), p * zc, 0.0), axis=1)
-        a += tl.sum(tl.where(col_ok[None, :], z * _SUM_SCALE, 0.0), axis=1)  # scaled: cannot overflow
+        if NEED_ENTROPY:
+            # p == 0 (a -inf logit): its term is 0, not 0 * -inf (!=, so a NaN p still propagates)
+            e += tl.sum(tl.where(col_ok[None, :] & (p != 0.0), p * zc, 0.0), axis=1)
+        if NEED_SUM:
+            a += tl.sum(tl.where(col_ok[None, :], z * _SUM_SCALE, 0.0), axis=1)  # scaled: cannot overflow
         hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]
         x += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m = new_m
@@ -161,11 +168,11 @@ def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return all((t.data_ptr() % 16 == 0) and (t.stride(0) * e) % 16 == 0 and t.stride(1) == 1 for t in (hidden, weight))
 
 
-def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool, aligned: bool):
+def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool, aligned: bool, lean: bool):
     """The forward kernel wrapped in a small autotuner for this device, dtype, epilogue and alignment."""
-    key = (props, dtype, tf32, softcap, aligned)
+    key = (props, dtype, tf32, softcap, aligned, lean)
     if key not in _TUNED:
-        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap, aligned)]
+        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap, aligned, lean)]
         _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
     return _TUNED[key]
 
@@ -181,6 +188,8 @@ def plan(
     temperature,
     props=None,
     allow_tf32=None,
+    need_sum=True,
+    need_entropy=True,
     _splits=None,
     _blocks=None,
 ):
@@ -194,6 +203,7 @@ def plan(
     is how tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
     ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
     ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
+    ``need_sum`` / ``need_entropy``: compute the SUM / ENTROPY columns (see :func:`row_stats`).
     """
     n, d = hidden.shape
     v = weight.shape[0]
@@ -210,7 +220,12 @@ def plan(
         if props is None:
             props = _config.DeviceProps.of(hidden.device)
         configs = _config.forward_candidates(
-            props, hidden.dtype, precision == "tf32", has_softcap, _rows_aligned(hidden, weight)
+            props,
+            hidden.dtype,
+            precision == "tf32",
+            has_softcap,
+            _rows_aligned(hidden, weight),
+            lean=not (need_sum or need_entropy),
         )
 
     def splits_of(c: _config.FwdConfig) -> int:
@@ -250,6 +265,8 @@ def plan(
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=has_softcap,
         HAS_TEMP=has_temp,
+        NEED_SUM=bool(need_sum),
+        NEED_ENTROPY=bool(need_entropy),
         USE_LIBDEVICE=use_libdevice(interpret),
         DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
@@ -259,11 +276,27 @@ def plan(
     return args, flags, configs, splits_of, out
 
 
-def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature, _splits=None, _blocks=None):
+def row_stats(
+    hidden,
+    weight,
+    bias,
+    targets,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    need_sum=True,
+    need_entropy=True,
+    _splits=None,
+    _blocks=None,
+):
     """Per-row logit statistics of one vocab shard: ``float32 [N, NUM_STATS]``.
 
     ``hidden [N, D]``, ``weight [V_local, D]`` (same dtype: fp32/bf16/fp16), ``bias [V_local]`` or
     None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.backend` for the exact definition.
+    ``need_sum=False`` / ``need_entropy=False`` skip the SUM / ENTROPY statistics (their columns then
+    carry no meaning): the cross-entropy without label smoothing reads neither, and the per-logit
+    epilogue is about half as long without them.
     ``_splits`` / ``_blocks`` (tests only) force the number of vocab splits and the
     ``(BLOCK_N, BLOCK_V, BLOCK_D)`` tiles.
     """
@@ -285,13 +318,20 @@ def row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperatur
         vocab_start=vocab_start,
         softcap=softcap,
         temperature=temperature,
+        need_sum=need_sum,
+        need_entropy=need_entropy,
         _splits=_splits,
         _blocks=_blocks,
     )
     if len(configs) > 1 or (not _INTERPRET and _blocks is None):
         props = _config.DeviceProps.of(device)
         kernel = _tuned_kernel(
-            props, hidden.dtype, flags["DOT_PRECISION"] == "tf32", flags["HAS_SOFTCAP"], _rows_aligned(hidden, weight)
+            props,
+            hidden.dtype,
+            flags["DOT_PRECISION"] == "tf32",
+            flags["HAS_SOFTCAP"],
+            _rows_aligned(hidden, weight),
+            not (need_sum or need_entropy),
         )
 
         def cfg_of(meta) -> _config.FwdConfig:

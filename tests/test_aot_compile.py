@@ -125,7 +125,10 @@ def _assert_every_config_compiled(target: str, rows: list[dict]) -> None:
         )
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
-        for c in C.forward_candidates(props, dtype, tf32) + C.forward_candidates(props, dtype, tf32, softcap=True):
+        lean = C.forward_candidates(props, dtype, tf32, lean=True)
+        for c in (
+            C.forward_candidates(props, dtype, tf32) + C.forward_candidates(props, dtype, tf32, softcap=True) + lean
+        ):
             want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
     for c in C.all_backward_configs(props):
         want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))

@@ -251,6 +251,23 @@ def test_row_stats_vocab_splits_agree():
     _check_stats(four, h.cpu(), w.cpu(), b.cpu(), t.cpu(), 37, 3.0, 0.7)
 
 
+@pytest.mark.parametrize("need_sum,need_entropy", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_row_stats_optional_columns(need_sum, need_entropy, splits):
+    """Without SUM / ENTROPY (the cross-entropy without label smoothing reads neither) the other
+    columns are bitwise those of the full kernel, and a requested column still is; one split
+    leaves a skipped column 0."""
+    h, w, b, t = make_inputs(7, 24, 90, torch.bfloat16, bias=True, vocab_start=11, seed=8)
+    kw = dict(vocab_start=11, softcap=3.0, temperature=0.7, _splits=splits)
+    full = K.row_stats(h, w, b, t, **kw).cpu()
+    part = K.row_stats(h, w, b, t, need_sum=need_sum, need_entropy=need_entropy, **kw).cpu()
+    for col, needed in ((MAX, True), (SUMEXP, True), (TARGET, True), (SUM, need_sum), (ENTROPY, need_entropy)):
+        if needed:
+            assert torch.equal(part[:, col], full[:, col]), col
+        elif splits == 1:
+            assert not part[:, col].any(), col
+
+
 def test_row_stats_large_logits_entropy_stable():
     """Logits around 1e3 with a spread of a few units: ENTROPY, kept relative to the running max,
     must not cancel (the naive sum exp(z - m) * z would lose ~3 digits here)."""
