@@ -160,6 +160,17 @@ def logit_tile(
 
 
 @triton.jit
+def softcap_slope(raw, softcap):
+    """``d z / d raw`` of ``z = softcap * tanh(raw / softcap)``: ``1 - tanh^2 = 4e / (1 + e)^2`` with
+    ``e = exp(-2|raw / softcap|)``. Formed from ``e``, not as ``1 - t * t``: where ``|t|`` is near 1
+    that difference keeps only the rounding of ``t`` (a tanh with a few 1e-8 of absolute error gave
+    slopes of ~1e-3 with 1e-4 relative error, and gradients several times less accurate than the
+    materialized fp32 program's); this form has a few ulps of relative error everywhere."""
+    e = tl.exp(-2.0 * tl.abs(raw / softcap))
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@triton.jit
 def transform(
     raw, softcap, temperature, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, USE_LIBDEVICE: tl.constexpr
 ):

@@ -7,7 +7,8 @@ For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coeff
     p     = exp(z - lse_I)
     dz    = (p - [j == t_i]) * ALPHA + p * DELTA * (z - lse_I) + BETA * [j == t_i] + GAMMA
             (the p-terms 0 where p == 0)
-    draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled)
+    draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled; 1 - t^2 formed
+                                                         without cancellation: _common.softcap_slope)
     dH_I += draw @ W_J        dW_J += draw.T @ h_I        db_J += colsum(draw)
 
 ``draw`` is rounded to the compute dtype before the two gradient matmuls (what a materialized
@@ -56,6 +57,7 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
+    softcap_slope,
     transform,
     use_libdevice,
 )
@@ -125,7 +127,7 @@ def _dz_tile(
         BLOCK_V,
         BLOCK_D,
     )
-    z, t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
+    z, _t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
     lse = tl.load(LSE + offs_n, mask=row_ok, other=0.0)
     crow = Coef + offs_n * stride_cn
@@ -166,7 +168,7 @@ def _dz_tile(
     if HAS_TEMP:
         dz = dz / temperature
     if HAS_SOFTCAP:
-        dz = dz * (1.0 - t * t)
+        dz = dz * softcap_slope(raw, softcap)
     dz = tl.where(ok, dz, 0.0)
 
     if not FILTER:
