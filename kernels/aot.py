@@ -192,7 +192,12 @@ def backward_launches(
     need_bias=True,
     schedule="tiles",
 ):
-    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed)."""
+    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed).
+
+    ``schedule``: the backward's ``_schedule`` ("tiles", "super", "chunked", "owner"; the
+    deterministic calls use "owner" unless told otherwise). Only the Triton launches are returned: the
+    chunked schedule's torch GEMMs are dropped, and of its per-chunk dz launches (identical but for
+    the chunk) the first and the last, which may be ragged."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
     coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
@@ -213,9 +218,10 @@ def backward_launches(
         deterministic=deterministic,
         props=props,
         allow_tf32=tf32,
-        _schedule=schedule,
+        _schedule="owner" if deterministic and schedule == "tiles" else schedule,
     )
-    return launches
+    launches = [x for x in launches if isinstance(x[0], triton.runtime.JITFunction)]
+    return launches if len(launches) <= 2 or schedule != "chunked" else [launches[0], launches[-1]]
 
 
 #: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
@@ -277,6 +283,11 @@ def matrix(props: _config.DeviceProps):
             )
         if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
             add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
+        for fname in {"bf16": ["plain", heavy], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}[name]:
+            add(
+                f"{name}/{fname}/bwd-chunked",
+                backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="chunked", **_FLAGS[fname]),
+            )
     n, d, v = RAGGED_SHAPE
     add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
     add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))
