@@ -462,6 +462,30 @@ def test_grads_deterministic_is_bitwise_repeatable(dtype, schedule):
         assert max_err(x, y) <= 1e-5 * scale(y)
 
 
+def test_schedule_choice_follows_the_scratch_budget():
+    """Without ``_schedule`` the chunked schedule runs wherever one 128-column dz chunk fits the
+    16 MB scratch budget (deterministic or not); beyond it, the per-tile kernel, or the
+    owner-computes kernels when deterministic. The atomic schedules refuse ``deterministic``."""
+    from cce_dist.kernels import backward as B
+
+    def first_kernel(n, deterministic, **kw):
+        m = dict(device="meta")
+        h, w = torch.empty(n, 64, dtype=torch.bfloat16, **m), torch.empty(300, 64, dtype=torch.bfloat16, **m)
+        t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
+        opts = dict(need_hidden=True, need_weight=True, need_bias=False, deterministic=deterministic, **kw)
+        *_, launches = B.plan(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
+        return launches[0][0]
+
+    small, big = 8192, 70_000  # 8192 x 128 x 2 B = 2 MB; 70000 x 128 x 2 B > 16 MB
+    assert first_kernel(small, False) is B._dz_store_kernel
+    assert first_kernel(small, True) is B._dz_store_kernel
+    assert first_kernel(big, False) is B._grads_fused_kernel
+    assert first_kernel(big, True) is B._grads_dh_kernel
+    for schedule in ("tiles", "super"):
+        with pytest.raises(ValueError, match="not deterministic"):
+            first_kernel(small, True, _schedule=schedule)
+
+
 # ------------------------------------------------------------------------------------------------
 # gradient filtering
 # ------------------------------------------------------------------------------------------------
