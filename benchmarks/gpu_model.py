@@ -452,15 +452,17 @@ def main() -> None:
     reading = [
         f"Forward (best autotune candidate): {fwd['est_ms']:.1f} ms, {100 * fwd['frac_peak']:.0f}% of bf16 peak, "
         f"bound by {fwd['bound']}; the elementwise epilogue costs {fwd['t_elem_ms']:.1f} ms of it.",
-        f"Fused backward: {bwd['est_ms']:.1f} ms, {100 * bwd['frac_peak']:.0f}% of peak, bound by {bwd['bound']}: "
+        f"Per-tile fused backward (`_schedule='tiles'`): {bwd['est_ms']:.1f} ms, {100 * bwd['frac_peak']:.0f}% of "
+        f"peak, bound by {bwd['bound']}: "
         f"{bwd['atomic_gb']:.0f} GB of fp32 atomics against {bwd['mma_tflop']:.0f} TFLOP of MMA "
         f"({bwd['t_mma_ms']:.0f} ms); the opt-in 2x2 super-tile schedule issues {sup['atomic_gb']:.0f} GB and is "
         f"estimated at {sup['est_ms']:.1f} ms (the model ignores its spills). Unless atomics run far faster than "
-        "assumed, atomic traffic, not tensor cores, sets the backward's time.",
+        "assumed, atomic traffic, not tensor cores, sets the time of every schedule that adds with atomics.",
         "Atomic bytes scale as N*V*D*(1/BLOCK_V + 1/BLOCK_N); for a fixed register budget (the 128x128 fp32 "
         "accumulator) the square tile is already optimal, so halving them needs a larger effective tile: "
         "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them "
-        "(implemented, `_schedule='super'`, but it spills 136-816 B/thread with Triton 3.9, so it is opt-in); "
+        "(implemented, `_schedule='super'`, but it spills up to ~0.7 KB/thread on sm_100 with Triton 3.9, so it is "
+        "opt-in); "
         "filtering removes them in proportion to the skipped tiles, but its epilogue needs 64-row tiles to "
         "stay spill-free, which costs 1.5x the atomics when few tiles are skipped (row 'backward fused "
         "filter': no skips assumed).",

@@ -203,6 +203,17 @@ def _dz_tile(
 
 
 @triton.jit
+def _swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
+    """``(pid_n, pid_v)`` of work item ``pid`` on a ``num_n x num_v`` grid walked in grouped order:
+    ``GROUP_N`` token tiles take the vocab tiles together, so a W tile is reused from L2 by the
+    group (as in the Triton matmul tutorial)."""
+    per_group = GROUP_N * num_v
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
 def _add_products(
     A0,
     X0,
@@ -331,14 +342,7 @@ def _grads_fused_kernel(
         NEED_DB); all zero-initialised by the caller, contiguous along D.
     filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_v
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
     scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
@@ -437,7 +441,6 @@ def _grads_super_kernel(
     nprog = tl.num_programs(0)
     num_sn = tl.cdiv(tl.cdiv(N, BLOCK_N), 2)
     num_sv = tl.cdiv(tl.cdiv(V, BLOCK_V), 2)
-    per_group = GROUP_N * num_sv
     tile = tl.arange(0, BLOCK_N).to(tl.int64)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)[None, :]
     slot = Scratch + pid.to(tl.int64) * (3 * BLOCK_N * BLOCK_V) + tile
     src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
@@ -446,10 +449,7 @@ def _grads_super_kernel(
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for st in range(pid, num_sn * num_sv, nprog):
-        first_n = (st // per_group) * GROUP_N
-        group_size = tl.minimum(num_sn - first_n, GROUP_N)
-        sn = first_n + (st % per_group) % group_size
-        sv = (st % per_group) // group_size
+        sn, sv = _swizzle(st, num_sn, num_sv, GROUP_N)
         offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         offs_n1 = offs_n0 + BLOCK_N
         offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -560,19 +560,12 @@ def _dz_store_kernel(
     unrounded dz (what the fused kernel adds to db), summed over tiles by the launcher in a fixed
     order. Other parameters as in :func:`_grads_fused_kernel`.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_v
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
     src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
     scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
