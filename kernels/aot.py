@@ -252,7 +252,8 @@ def matrix(props: _config.DeviceProps):
     on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
     sampled so that each selectable config and each kernel appears: bf16 gets all four backward
     flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
-    and IEEE fp32 one each; plus the ragged shape once (no divisibility hints)."""
+    and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain and the heaviest flags)
+    and once per other mode; plus the ragged shape once (no divisibility hints)."""
     n, d, v = PAPER_SHAPE
     out = []
 
