@@ -16,7 +16,7 @@ backward in that dtype does; fp32 stays fp32); both matmuls accumulate in fp32.
 Schedules (``_schedule``; see :func:`grads`):
 
 - ``"chunked"``, the default wherever its scratch fits (``config.CHUNK_SCRATCH_BYTES`` = 16 MB:
-  N up to 65,536 tokens in bf16), for ``deterministic=True`` too: the shard's vocab is walked in
+  N up to about 63,500 tokens in bf16), for ``deterministic=True`` too: the shard's vocab is walked in
   chunks of Vc columns (the widest multiple of BLOCK_V whose dz ``[N, Vc]`` in the compute dtype
   fits the scratch: 1024 for N = 8192 in bf16). Per chunk, :func:`_dz_store_kernel` recomputes
   the chunk's logit tiles (the same tile loop and dz epilogue as the fused kernel: softcap, bias,

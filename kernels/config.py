@@ -132,9 +132,9 @@ def _fits(smem: int, props: DeviceProps) -> bool:
 
 #: Scratch of the chunked backward (the default where it fits): the dz of one vocab chunk,
 #: ``[N, Vc]`` in the compute dtype, plus its db partial sums. Vc is the widest multiple of the
-#: vocab tile within this (1024 columns for N = 8192 in bf16); with more than
-#: ``CHUNK_SCRATCH_BYTES / (128 * element size)`` tokens not even one 128-column chunk fits and the
-#: launcher falls back to the per-tile schedule (or, deterministic, the owner-computes kernels).
+#: vocab tile within this (1024 columns for N = 8192 in bf16, 896 with a bias); with more tokens
+#: than fit one 128-column chunk (about 63,500 in bf16) the launcher falls back to the per-tile
+#: schedule (or, deterministic, the owner-computes kernels).
 CHUNK_SCRATCH_BYTES = 16 << 20
 
 #: Interpreter: vocab columns per chunk, so that the tests' shapes (V_local <= 200) walk several
