@@ -507,6 +507,8 @@ def _grads_super_kernel(
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
+# Its parameter list mirrors _grads_fused_kernel's, with the dz scratch and the db partial sums in
+# place of the gradients (plan() builds both from the same pieces).
 @triton.jit
 def _dz_store_kernel(
     H,
