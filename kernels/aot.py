@@ -204,7 +204,12 @@ def backward_launches(
     need_bias=True,
     schedule="tiles",
 ):
-    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed)."""
+    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed).
+
+    ``schedule``: the backward's ``_schedule`` ("tiles", "super", "chunked", "owner"; the
+    deterministic calls use "owner" unless told otherwise). Only the Triton launches are returned: the
+    chunked schedule's torch GEMMs are dropped, and of its per-chunk dz launches (identical but for
+    the chunk) the first and the last, which may be ragged."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
     coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
@@ -225,9 +230,10 @@ def backward_launches(
         deterministic=deterministic,
         props=props,
         allow_tf32=tf32,
-        _schedule=schedule,
+        _schedule="owner" if deterministic and schedule == "tiles" else schedule,
     )
-    return launches
+    launches = [x for x in launches if isinstance(x[0], triton.runtime.JITFunction)]
+    return launches if len(launches) <= 2 or schedule != "chunked" else [launches[0], launches[-1]]
 
 
 #: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
@@ -259,7 +265,8 @@ def matrix(props: _config.DeviceProps):
     sampled so that each selectable config and each kernel appears (the forward with all five statistics; bf16
     also without SUM / ENTROPY, the plain cross-entropy's); bf16 gets all four backward
     flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
-    and IEEE fp32 one each; plus the ragged shape once (no divisibility hints)."""
+    and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain and the heaviest flags)
+    and once per other mode; plus the ragged shape once (no divisibility hints)."""
     n, d, v = PAPER_SHAPE
     out = []
 
@@ -292,6 +299,11 @@ def matrix(props: _config.DeviceProps):
             )
         if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
             add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
+        for fname in {"bf16": ["plain", heavy], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}[name]:
+            add(
+                f"{name}/{fname}/bwd-chunked",
+                backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="chunked", **_FLAGS[fname]),
+            )
     n, d, v = RAGGED_SHAPE
     add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
     add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))

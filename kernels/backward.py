@@ -14,19 +14,33 @@ For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coeff
 ``draw`` is rounded to the compute dtype before the two gradient matmuls (what a materialized
 backward in that dtype does; fp32 stays fp32); both matmuls accumulate in fp32.
 
-Two schedules:
+Schedules (``_schedule``; see :func:`grads`):
 
-- default (``deterministic=False``): one fused kernel over all (token tile, vocab tile) pairs,
-  grouped for L2 reuse as in the Triton matmul tutorial. Each program recomputes its logit tile
-  once and adds its dH / dW / db contributions to the fp32 outputs with ``tl.atomic_add``, in
-  ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the fp32 gradients.
-- ``deterministic=True``: no float atomics. A dH kernel gives each program one token tile and
-  walks the vocab tiles in order; a dW/db kernel gives each program one vocab tile and walks the
-  token tiles in order. Each output block is owned by exactly one program, which updates it by a
-  plain load-add-store per tile (a [BLOCK_N, D] or [BLOCK_V, D] block does not fit in registers
-  for real D), and db is summed in registers and written once. Every addition happens in a fixed
-  order, so results are bitwise repeatable. Costs one extra logit recompute (4 matmuls vs 3) and
-  fewer programs; again no scratch memory beyond the gradients.
+- ``"chunked"``, the default wherever its scratch fits (``config.CHUNK_SCRATCH_BYTES`` = 16 MB:
+  N up to about 63,500 tokens in bf16), for ``deterministic=True`` too: the shard's vocab is walked in
+  chunks of Vc columns (the widest multiple of BLOCK_V whose dz ``[N, Vc]`` in the compute dtype
+  fits the scratch: 1024 for N = 8192 in bf16). Per chunk, :func:`_dz_store_kernel` recomputes
+  the chunk's logit tiles (the same tile loop and dz epilogue as the fused kernel: softcap, bias,
+  filtering, every coefficient) and stores ``draw`` rounded to the compute dtype, exactly as the
+  fused kernel rounds it before its matmuls, plus fp32 per-token-tile column sums for db; then two
+  torch GEMMs with fp32 output: ``dW[chunk] = draw.T @ H`` (those rows of dW written once) and
+  ``dH += draw @ W[chunk]``. No atomics; chunks run in a fixed order, so results are bitwise
+  repeatable. ``benchmarks/gpu_model.py`` estimates it at ~4.5x faster than the per-tile kernel
+  at the CCE paper shape on H100 (no atomic traffic; the price is the fp32 dH read and written by
+  each chunk's GEMM) and ~6x faster than the owner-computes kernels.
+- ``"tiles"`` (the default where the scratch does not fit): one fused kernel over all (token
+  tile, vocab tile) pairs, grouped for L2 reuse as in the Triton matmul tutorial. Each program
+  recomputes its logit tile once and adds its dH / dW / db contributions to the fp32 outputs with
+  ``tl.atomic_add``, in ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the
+  fp32 gradients, but ~300 GB of fp32 atomics at the paper shape, which bound it.
+- ``"super"`` (opt-in): 2x2 super-tiles, half the atomics of ``"tiles"``; spills with Triton 3.9.
+- ``"owner"`` (``deterministic=True`` where the chunk scratch does not fit): no float atomics and
+  no scratch. A dH kernel gives each program one token tile and walks the vocab tiles in order; a
+  dW/db kernel gives each program one vocab tile and walks the token tiles in order. Each output
+  block is owned by exactly one program, which updates it by a plain load-add-store per tile (a
+  [BLOCK_N, D] or [BLOCK_V, D] block does not fit in registers for real D), and db is summed in
+  registers and written once. Every addition happens in a fixed order, so results are bitwise
+  repeatable. Costs one extra logit recompute (4 matmuls vs 3) and moves its outputs through HBM.
 
 Gradient filtering (``filter_eps``): a tile is skipped when every p-term in it is small relative
 to its row's coefficients, |p * (ALPHA + DELTA * (z - lse))| <= filter_eps * max(|ALPHA|, |BETA - ALPHA|, |DELTA|)
@@ -41,6 +55,8 @@ with any GAMMA != 0 row are never skipped.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -62,17 +78,28 @@ from ._common import (
     use_libdevice,
 )
 
+# The kernels hand the arguments they share with _dz_tile to it as tuples expanded in the call,
+# ``_dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)``, in _dz_tile's parameter order
+# (which mirrors the kernels'): ``src`` = (H, W, Bias, Targets, LSE, Coef), ``scal`` = (N, V, D,
+# vocab_start, softcap, temperature, filter_eps), ``strides`` = (stride_hn, ..., stride_ck),
+# ``flags`` = (HAS_BIAS, ..., USE_LIBDEVICE), ``cfg`` = (DOT_PRECISION, INTERP_BF16, BLOCK_N,
+# BLOCK_V, BLOCK_D); the gradient products likewise take ``(X, offs, ok, stride_row, stride_col)``
+# operands and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT). The tuples are annotated
+# ``tl.constexpr`` only so that Triton keeps their members as they are: a plain assignment turns
+# constexpr members (the flags, and strides the launcher specialized to 1) into runtime values.
+# Tensors in them stay tensors, so the compiled code is the same as with the arguments written out.
+
 
 @triton.jit
 def _dz_tile(
+    offs_n,
+    offs_v,
     H,
     W,
     Bias,
     Targets,
     LSE,
     Coef,
-    offs_n,
-    offs_v,
     N,
     V,
     D,
@@ -106,6 +133,7 @@ def _dz_tile(
     that are active (valid with a nonzero coefficient)."""
     row_ok = offs_n < N
     col_ok = offs_v < V
+    # Same call as the forward kernel's (the arguments mirror logit_tile's signature): bit-identical logits.
     raw = logit_tile(
         H,
         W,
@@ -177,6 +205,89 @@ def _dz_tile(
 
 
 @triton.jit
+def _swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
+    """``(pid_n, pid_v)`` of work item ``pid`` on a ``num_n x num_v`` grid walked in grouped order:
+    ``GROUP_N`` token tiles take the vocab tiles together, so a W tile is reused from L2 by the
+    group (as in the Triton matmul tutorial)."""
+    per_group = GROUP_N * num_v
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
+def _add_products(
+    A0,
+    X0,
+    offs_0,
+    ok_0,
+    stride_0r,
+    stride_0c,
+    A1,
+    X1,
+    offs_1,
+    ok_1,
+    stride_1r,
+    stride_1c,
+    Out,
+    offs_o,
+    o_ok,
+    stride_or,
+    D,
+    ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+):
+    """``Out[offs_o, :D] += A0 @ X0[offs_0, :D] (+ A1 @ X1[offs_1, :D])``, ``BLOCK_D_OUT`` columns
+    at a time, in fp32: the gradient products of every backward kernel.
+
+    Rows of ``X*`` outside ``ok_*`` read as 0; ``A1`` None: a single product (``X1``... unused).
+    ``Out``: fp32 with unit column stride; rows outside ``o_ok`` are neither read nor written.
+    ``ATOMIC``: add with relaxed fp32 atomics (the output rows are shared), else load-add-store
+    (the calling program owns them). Callers pass each ``X`` as a tuple ``(X, offs, ok, stride_row,
+    stride_col)`` expanded in the call, and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)."""
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    for d0 in range(0, D, BLOCK_D_OUT):
+        d_ok = offs_do < D - d0
+        xa = tl.load(
+            X0 + offs_0[:, None] * stride_0r + (d0 + offs_do)[None, :] * stride_0c,
+            mask=ok_0[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if A1 is not None:
+            xb = tl.load(
+                X1 + offs_1[:, None] * stride_1r + (d0 + offs_do)[None, :] * stride_1c,
+                mask=ok_1[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+        if ATOMIC:
+            acc = tl.zeros((A0.shape[0], BLOCK_D_OUT), dtype=tl.float32)
+        else:
+            acc = tl.load(
+                Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :],
+                mask=o_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+        acc = mma(A0, xa, acc, DOT_PRECISION, INTERP_BF16)
+        if A1 is not None:
+            acc = mma(A1, xb, acc, DOT_PRECISION, INTERP_BF16)
+        if ATOMIC:
+            tl.atomic_add(
+                Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :],
+                acc,
+                mask=o_ok[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )
+        else:
+            tl.store(
+                Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :], acc, mask=o_ok[:, None] & d_ok[None, :]
+            )
+
+
+# The kernels' parameter lists mirror each other (and plan(), which builds their arguments): each
+# names what it reads; the shared part is regrouped into the tuples above on entry.
+@triton.jit
 def _grads_fused_kernel(
     H,
     W,
@@ -233,127 +344,38 @@ def _grads_fused_kernel(
         NEED_DB); all zero-initialised by the caller, contiguous along D.
     filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_v
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
+    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
+    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
+    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
+    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = offs_n < N
     col_ok = offs_v < V
-    dz, keep, active = _dz_tile(
-        H,
-        W,
-        Bias,
-        Targets,
-        LSE,
-        Coef,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        D,
-        vocab_start,
-        softcap,
-        temperature,
-        filter_eps,
-        stride_hn,
-        stride_hd,
-        stride_wv,
-        stride_wd,
-        stride_b,
-        stride_t,
-        stride_cn,
-        stride_ck,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_TEMP,
-        FILTER,
-        GAMMA_IN_TILE,
-        USE_LIBDEVICE,
-        DOT_PRECISION,
-        INTERP_BF16,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
     if keep:
         if NEED_DB:
             tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
         dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-        offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+        mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
         if NEED_DH:
-            for d0 in range(0, D, BLOCK_D_OUT):
-                d_ok = offs_do < D - d0
-                w = tl.load(
-                    W + offs_v[:, None] * stride_wv + (d0 + offs_do)[None, :] * stride_wd,
-                    mask=col_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
-                part = mma(dzc, w, tl.zeros((BLOCK_N, BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
-                tl.atomic_add(
-                    DH + offs_n[:, None] * stride_dhn + (d0 + offs_do)[None, :],
-                    part,
-                    mask=row_ok[:, None] & d_ok[None, :],
-                    sem="relaxed",
-                )
+            w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
+            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
         if NEED_DW:
-            dzt = tl.trans(dzc)
-            for d0 in range(0, D, BLOCK_D_OUT):
-                d_ok = offs_do < D - d0
-                h = tl.load(
-                    H + offs_n[:, None] * stride_hn + (d0 + offs_do)[None, :] * stride_hd,
-                    mask=active[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
-                part = mma(dzt, h, tl.zeros((BLOCK_V, BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
-                tl.atomic_add(
-                    DW + offs_v[:, None] * stride_dwv + (d0 + offs_do)[None, :],
-                    part,
-                    mask=col_ok[:, None] & d_ok[None, :],
-                    sem="relaxed",
-                )
+            h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
+            _add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
 
 
 @triton.jit
-def _grad_chunk2(
-    A0,
-    X0,
-    offs_x0,
-    x0_ok,
-    A1,
-    X1,
-    offs_x1,
-    x1_ok,
-    stride_xr,
-    stride_xc,
-    d0,
-    D,
-    DOT_PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr,
-):
-    """``A0 @ X0[offs_x0, d0:d0+BLOCK_D_OUT] + A1 @ X1[offs_x1, d0:...]`` in fp32: one output chunk
-    of a gradient over two tiles of the accumulation dimension (rows outside ``x*_ok`` read 0)."""
-    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-    d_ok = offs_do < D - d0
-    x0 = tl.load(
-        X0 + offs_x0[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-        mask=x0_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    x1 = tl.load(
-        X1 + offs_x1[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-        mask=x1_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    acc = mma(A0, x0, tl.zeros((A0.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
-    return mma(A1, x1, acc, DOT_PRECISION, INTERP_BF16)
+def _drop_filtered(dz, keep, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """A super-tile's tile: ``(dz rounded to the MMA operand dtype, column sums of dz)``, dz zeroed
+    when the tile is filtered out (it contributes nothing, as in the fused kernel, even next to a
+    kept partner)."""
+    dz = tl.where(keep, dz, 0.0)
+    return round_to(dz, DTYPE, INTERP_BF16), tl.sum(dz, axis=0)
 
 
 @triton.jit
@@ -421,14 +443,15 @@ def _grads_super_kernel(
     nprog = tl.num_programs(0)
     num_sn = tl.cdiv(tl.cdiv(N, BLOCK_N), 2)
     num_sv = tl.cdiv(tl.cdiv(V, BLOCK_V), 2)
-    per_group = GROUP_N * num_sv
     tile = tl.arange(0, BLOCK_N).to(tl.int64)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)[None, :]
     slot = Scratch + pid.to(tl.int64) * (3 * BLOCK_N * BLOCK_V) + tile
+    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
+    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
+    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
+    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
+    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for st in range(pid, num_sn * num_sv, nprog):
-        first_n = (st // per_group) * GROUP_N
-        group_size = tl.minimum(num_sn - first_n, GROUP_N)
-        sn = first_n + (st % per_group) % group_size
-        sv = (st % per_group) // group_size
+        sn, sv = _swizzle(st, num_sn, num_sv, GROUP_N)
         offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         offs_n1 = offs_n0 + BLOCK_N
         offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -437,330 +460,126 @@ def _grads_super_kernel(
         n1_ok = offs_n1 < N
         v0_ok = offs_v0 < V
         v1_ok = offs_v1 < V
+        w0: tl.constexpr = (W, offs_v0, v0_ok, stride_wv, stride_wd)
+        w1: tl.constexpr = (W, offs_v1, v1_ok, stride_wv, stride_wd)
+        mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
 
         # dz00, dz01: parked in slots 0 and 1 (dz01 also kept in registers for dH0).
-        dz, keep, act0 = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n0,
-            offs_v0,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
-        dz = tl.where(keep, dz, 0.0)  # a filtered tile contributes nothing, as in the fused kernel
-        keep00 = keep
-        db0 = tl.sum(dz, axis=0)
-        tl.store(slot, round_to(dz, H.dtype.element_ty, INTERP_BF16).to(Scratch.dtype.element_ty))
-        dz, keep, act0 = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n0,
-            offs_v1,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
-        dz = tl.where(keep, dz, 0.0)
-        keep01 = keep
-        db1 = tl.sum(dz, axis=0)
-        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        dz, keep00, act0 = _dz_tile(offs_n0, offs_v0, *src, *scal, *strides, *flags, *cfg)
+        dzc, db0 = _drop_filtered(dz, keep00, H.dtype.element_ty, INTERP_BF16)
+        tl.store(slot, dzc.to(Scratch.dtype.element_ty))
+        dz, keep01, act0 = _dz_tile(offs_n0, offs_v1, *src, *scal, *strides, *flags, *cfg)
+        dzc, db1 = _drop_filtered(dz, keep01, H.dtype.element_ty, INTERP_BF16)
         tl.store(slot + BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
         tl.debug_barrier()
         if NEED_DH:
             if keep00 | keep01:
                 a0 = tl.load(slot).to(dzc.dtype)
-                for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(
-                        a0,
-                        W,
-                        offs_v0,
-                        v0_ok,
-                        dzc,
-                        W,
-                        offs_v1,
-                        v1_ok,
-                        stride_wv,
-                        stride_wd,
-                        d0,
-                        D,
-                        DOT_PRECISION,
-                        INTERP_BF16,
-                        BLOCK_D_OUT,
-                    )
-                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(
-                        DH + offs_n0[:, None] * stride_dhn + offs_do[None, :],
-                        part,
-                        mask=n0_ok[:, None] & (offs_do < D)[None, :],
-                        sem="relaxed",
-                    )
+                _add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
 
         # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
-        dz, keep, act1 = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n1,
-            offs_v0,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
-        dz = tl.where(keep, dz, 0.0)
-        keep10 = keep
-        db0 += tl.sum(dz, axis=0)
-        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        dz, keep10, act1 = _dz_tile(offs_n1, offs_v0, *src, *scal, *strides, *flags, *cfg)
+        dzc, db = _drop_filtered(dz, keep10, H.dtype.element_ty, INTERP_BF16)
+        db0 += db
         tl.store(slot + 2 * BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
         tl.debug_barrier()
+        h0: tl.constexpr = (H, offs_n0, act0, stride_hn, stride_hd)
+        h1: tl.constexpr = (H, offs_n1, act1, stride_hn, stride_hd)
         if NEED_DB:
             tl.atomic_add(DB + offs_v0, db0, mask=v0_ok, sem="relaxed")
         if NEED_DW:
             if keep00 | keep10:
                 a0 = tl.trans(tl.load(slot).to(dzc.dtype))
-                a1 = tl.trans(dzc)
-                for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(
-                        a0,
-                        H,
-                        offs_n0,
-                        act0,
-                        a1,
-                        H,
-                        offs_n1,
-                        act1,
-                        stride_hn,
-                        stride_hd,
-                        d0,
-                        D,
-                        DOT_PRECISION,
-                        INTERP_BF16,
-                        BLOCK_D_OUT,
-                    )
-                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(
-                        DW + offs_v0[:, None] * stride_dwv + offs_do[None, :],
-                        part,
-                        mask=v0_ok[:, None] & (offs_do < D)[None, :],
-                        sem="relaxed",
-                    )
+                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
 
         # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
-        dz, keep, act1 = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n1,
-            offs_v1,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
-        dz = tl.where(keep, dz, 0.0)
-        keep11 = keep
-        db1 += tl.sum(dz, axis=0)
-        dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
+        dz, keep11, act1 = _dz_tile(offs_n1, offs_v1, *src, *scal, *strides, *flags, *cfg)
+        dzc, db = _drop_filtered(dz, keep11, H.dtype.element_ty, INTERP_BF16)
+        db1 += db
         if NEED_DB:
             tl.atomic_add(DB + offs_v1, db1, mask=v1_ok, sem="relaxed")
         if NEED_DW:
             if keep01 | keep11:
                 a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
-                a1 = tl.trans(dzc)
-                for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(
-                        a0,
-                        H,
-                        offs_n0,
-                        act0,
-                        a1,
-                        H,
-                        offs_n1,
-                        act1,
-                        stride_hn,
-                        stride_hd,
-                        d0,
-                        D,
-                        DOT_PRECISION,
-                        INTERP_BF16,
-                        BLOCK_D_OUT,
-                    )
-                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(
-                        DW + offs_v1[:, None] * stride_dwv + offs_do[None, :],
-                        part,
-                        mask=v1_ok[:, None] & (offs_do < D)[None, :],
-                        sem="relaxed",
-                    )
+                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
         if NEED_DH:
             if keep10 | keep11:
                 a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
-                for d0 in range(0, D, BLOCK_D_OUT):
-                    part = _grad_chunk2(
-                        a0,
-                        W,
-                        offs_v0,
-                        v0_ok,
-                        dzc,
-                        W,
-                        offs_v1,
-                        v1_ok,
-                        stride_wv,
-                        stride_wd,
-                        d0,
-                        D,
-                        DOT_PRECISION,
-                        INTERP_BF16,
-                        BLOCK_D_OUT,
-                    )
-                    offs_do = d0 + tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-                    tl.atomic_add(
-                        DH + offs_n1[:, None] * stride_dhn + offs_do[None, :],
-                        part,
-                        mask=n1_ok[:, None] & (offs_do < D)[None, :],
-                        sem="relaxed",
-                    )
+                _add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
+# Its parameter list mirrors _grads_fused_kernel's, with the dz scratch and the db partial sums in
+# place of the gradients (plan() builds both from the same pieces).
 @triton.jit
-def _add_product_rows(
-    A,
-    X,
-    offs_x,
-    x_ok,
-    stride_xr,
-    stride_xc,
-    Out,
-    offs_o,
-    o_ok,
-    stride_or,
+def _dz_store_kernel(
+    H,
+    W,
+    Bias,
+    Targets,
+    LSE,
+    Coef,
+    DZ,
+    DBP,
+    N,
+    V,
     D,
+    vocab_start,
+    softcap,
+    temperature,
+    filter_eps,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_b,
+    stride_t,
+    stride_cn,
+    stride_ck,
+    stride_dzn,
+    stride_dbp,
+    NEED_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    FILTER: tl.constexpr,
+    GAMMA_IN_TILE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
-    """``Out[offs_o, :D] += A @ X[offs_x, :D]`` by load-add-store, ``BLOCK_D_OUT`` columns at a
-    time (the deterministic kernels' update of the output rows they own). ``A``: the tile's
-    gradient in the operand dtype; rows of ``X`` outside ``x_ok`` read as 0; rows of ``Out``
-    (fp32, unit column stride) outside ``o_ok`` are neither read nor written."""
-    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
-    for d0 in range(0, D, BLOCK_D_OUT):
-        d_ok = offs_do < D - d0
-        x = tl.load(
-            X + offs_x[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
-            mask=x_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
-        msk = o_ok[:, None] & d_ok[None, :]
-        acc = tl.load(ptrs, mask=msk, other=0.0)
-        tl.store(ptrs, mma(A, x, acc, DOT_PRECISION, INTERP_BF16), mask=msk)
+    """
+    One vocab chunk of the chunked backward: the gradient w.r.t. the raw logits of every (token
+    tile, vocab tile) pair, stored instead of multiplied (no atomics; the launcher's GEMMs use it).
+
+    W / Bias / vocab_start / V describe the chunk (a row slice of the shard). DZ (pointer): [N, V]
+    scratch in the compute dtype, row stride ``stride_dzn``, unit column stride; each element
+    written once with dz rounded to the MMA operand dtype exactly as the fused kernel rounds it
+    before its matmuls (0 in filtered-out tiles, which the fused kernel skips). DBP (pointer): fp32
+    ``[cdiv(N, BLOCK_N), V]`` (if NEED_DB), row ``pid_n`` = this token tile's column sums of the
+    unrounded dz (what the fused kernel adds to db), summed over tiles by the launcher in a fixed
+    order. Other parameters as in :func:`_grads_fused_kernel`.
+    """
+    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
+    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
+    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
+    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
+    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = offs_v < V
+    dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
+    dz = tl.where(keep, dz, 0.0)
+    if NEED_DB:
+        tl.store(DBP + pid_n.to(tl.int64) * stride_dbp + offs_v, tl.sum(dz, axis=0), mask=col_ok)
+    dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16).to(DZ.dtype.element_ty)
+    tl.store(DZ + offs_n[:, None] * stride_dzn + offs_v[None, :], dzc, mask=(offs_n < N)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -809,65 +628,24 @@ def _grads_dh_kernel(
     pid = tl.program_id(0)
     offs_n = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_ok = offs_n < N
+    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
+    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
+    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
+    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
+    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
-        dz, keep, active = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
         if keep:
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-            _add_product_rows(
-                dzc,
-                W,
-                offs_v,
-                col_ok,
-                stride_wv,
-                stride_wd,
-                DH,
-                offs_n,
-                row_ok,
-                stride_dhn,
-                D,
-                DOT_PRECISION,
-                INTERP_BF16,
-                BLOCK_D_OUT,
-            )
+            mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+            w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
+            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
 
 
+# The mirror image of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
+# own kernel: each owner kernel has its own config and grid, and a fused pair would hold both states.
 @triton.jit
 def _grads_dw_kernel(
     H,
@@ -919,65 +697,22 @@ def _grads_dw_kernel(
     offs_v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
+    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
+    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
+    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
+    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        dz, keep, active = _dz_tile(
-            H,
-            W,
-            Bias,
-            Targets,
-            LSE,
-            Coef,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            D,
-            vocab_start,
-            softcap,
-            temperature,
-            filter_eps,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            stride_t,
-            stride_cn,
-            stride_ck,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_TEMP,
-            FILTER,
-            GAMMA_IN_TILE,
-            USE_LIBDEVICE,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
         if keep:
             if NEED_DB:
                 db += tl.sum(dz, axis=0)
             if NEED_DW:
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
-                _add_product_rows(
-                    dzt,
-                    H,
-                    offs_n,
-                    active,
-                    stride_hn,
-                    stride_hd,
-                    DW,
-                    offs_v,
-                    col_ok,
-                    stride_dwv,
-                    D,
-                    DOT_PRECISION,
-                    INTERP_BF16,
-                    BLOCK_D_OUT,
-                )
+                mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
+                h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
+                _add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
@@ -1008,6 +743,112 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
         db.add_(gamma.sum())
 
 
+#: Values of ``_schedule`` (see :func:`grads`); None picks one.
+SCHEDULES = ("chunked", "tiles", "super", "owner")
+
+
+class _HostStep:
+    """A host-side step in a launch list, called like a kernel (``step[grid](*args)``): the chunked
+    schedule's torch GEMMs between its kernel launches."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _chunk_columns(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias: bool) -> int:
+    """Vocab columns per chunk: as many whole ``block_v`` tiles as keep the dz scratch ``[n, Vc]``
+    (``elt`` bytes each) and the db partial sums within ``CHUNK_SCRATCH_BYTES`` (at least one tile,
+    at most the shard)."""
+    per_col = n * elt + (triton.cdiv(n, block_n) * 4 if need_bias else 0)
+    vc = max(block_v, _config.CHUNK_SCRATCH_BYTES // max(per_col, 1) // block_v * block_v)
+    if _INTERPRET:
+        vc = min(vc, _config.INTERPRET_CHUNK_COLS)
+    return min(vc, triton.cdiv(v, block_v) * block_v)
+
+
+def _chunked_fits(n: int, elt: int, device: torch.device, deterministic: bool) -> bool:
+    """Whether the chunked schedule can run: its scratch for one 128-column chunk (dz and the db
+    partial sums of 64-row tiles at most) within ``CHUNK_SCRATCH_BYTES`` and, on a CUDA device,
+    within its free memory; and, for ``deterministic`` under ``torch.use_deterministic_algorithms``,
+    cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""
+    if 128 * (n * elt + 4 * triton.cdiv(n, 64)) > _config.CHUNK_SCRATCH_BYTES:
+        return False
+    if device.type != "cuda":
+        return True
+    if deterministic and torch.are_deterministic_algorithms_enabled():
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+            return False
+    return torch.cuda.mem_get_info(device)[0] >= _config.CHUNK_SCRATCH_BYTES
+
+
+def _mm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation. bf16 / fp16 operands on CUDA:
+    one GEMM with a float32 result (``out_dtype``) written in place; elsewhere (the CPU build has
+    no such kernel, or an older torch) the operands are upcast, which gives the same values (their
+    products are exact in fp32) at the cost of an fp32 copy of the chunk."""
+    if a.is_cuda and a.dtype != torch.float32:
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    a, b = a.float(), b.float()
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _chunked_launches(hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch):
+    """The chunked schedule: per vocab chunk of Vc columns, :func:`_dz_store_kernel` fills the dz
+    scratch, then torch GEMMs use it: ``dW[chunk] = dz^T @ H`` (written once), ``dH += dz @ W[chunk]``
+    (fp32), ``db[chunk]`` = the column sums of the chunk's token tiles. No atomics; chunks run in a
+    fixed order, so results are bitwise repeatable."""
+    n, v = hidden.shape[0], weight.shape[0]
+    bn, bv = flags["BLOCK_N"], flags["BLOCK_V"]
+    dz_flags = {k: val for k, val in flags.items() if k != "BLOCK_D_OUT"}
+    vc = _chunk_columns(n, v, bn, bv, hidden.element_size(), db is not None)
+    scratch = torch.empty(n, vc, dtype=hidden.dtype, device=hidden.device)
+    dbp = torch.empty(triton.cdiv(n, bn), vc, dtype=torch.float32, device=hidden.device) if db is not None else lse
+    h_rows = hidden
+    if dw is not None and hidden.device.type != "meta":
+        # dz is 0 in rows with all-zero coefficients, but 0 * inf = NaN in the GEMM: such rows of H
+        # must read as 0 (as the fused kernel's masked loads do). Copy H only when one is not finite.
+        idle = (coef == 0).all(1)
+        if bool((idle & ~torch.isfinite(hidden).all(1)).any()):
+            h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+
+    def gemms(c0: int, c1: int) -> None:
+        dz = scratch[:, : c1 - c0]
+        if dh is not None:
+            _mm_f32(dh, dz, weight[c0:c1], accumulate=True)
+        if dw is not None:
+            _mm_f32(dw[c0:c1], dz.T, h_rows, accumulate=False)
+        if db is not None:
+            torch.sum(dbp[:, : c1 - c0], 0, out=db[c0:c1])
+
+    launches = []
+    for c0 in range(0, v, vc):
+        c1 = min(v, c0 + vc)
+        w_c = weight[c0:c1]
+        b_c = bias[c0:c1] if bias is not None else hidden
+        sc = (n, c1 - c0, *scalars[2:3], scalars[3] + c0, *scalars[4:])
+        args = (hidden, w_c, b_c, targets, lse, coef, scratch, dbp, *sc, scratch.stride(0), dbp.stride(0))
+        grid = (triton.cdiv(n, bn) * triton.cdiv(c1 - c0, bv),)
+        kwargs = dict(NEED_DB=db is not None, GROUP_N=group_n, **dz_flags, **launch)
+        launches.append((_dz_store_kernel, grid, args, kwargs))
+        launches.append((_HostStep(gemms), None, (c0, c1), {}))
+    return launches
+
+
+# plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
+# from the device and torch), and grads() passes them on: the two signatures mirror each other.
 def plan(
     hidden,
     weight,
@@ -1027,28 +868,40 @@ def plan(
     props=None,
     allow_tf32=None,
     _blocks=None,
-    _schedule="tiles",
+    _schedule=None,
 ):
     """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
-    ``dh`` / ``dw`` / ``db`` are the zeroed fp32 outputs (None where not needed); ``launches`` is
-    a list of ``(kernel, grid, args, kwargs)`` to run in order as ``kernel[grid](*args, **kwargs)``
-    (kwargs hold the constexprs and the compile options). Works on ``meta`` tensors, which is how
+    ``dh`` / ``dw`` / ``db`` are the fp32 outputs (None where not needed; zeroed, except a chunked
+    ``dw`` whose rows the chunks write); ``launches`` is a list of ``(kernel, grid, args, kwargs)``
+    to run in order as ``kernel[grid](*args, **kwargs)`` (kwargs hold the constexprs and the compile
+    options; the chunked schedule's torch GEMMs are :class:`_HostStep` entries called the same way).
+    Works on ``meta`` tensors, which is how
     tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
     ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
     ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
     Other arguments as in :func:`grads`.
     """
     schedule = _schedule
-    if schedule not in ("super", "tiles"):
-        raise ValueError(f"_schedule must be 'super' or 'tiles', got {schedule!r}")
+    if schedule not in (None, *SCHEDULES):
+        raise ValueError(f"_schedule must be None or one of {SCHEDULES}, got {schedule!r}")
+    if deterministic and schedule in ("tiles", "super"):
+        raise ValueError(f"_schedule={schedule!r} adds with float atomics: not deterministic; use 'chunked' or 'owner'")
     n, d = hidden.shape
     v = weight.shape[0]
     device = hidden.device
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
+    if schedule is None:
+        fits = _chunked_fits(n, hidden.element_size(), device, deterministic)
+        schedule = "chunked" if fits else "owner" if deterministic else "tiles"
     dh = torch.zeros(n, d, **f32) if need_hidden else None
-    dw = torch.zeros(v, d, **f32) if need_weight else None
+    # The chunked schedule writes each row of dW once: no zero fill.
+    dw = (
+        (torch.empty if schedule == "chunked" and n > 0 and d > 0 else torch.zeros)(v, d, **f32)
+        if need_weight
+        else None
+    )
     db = torch.zeros(v, **f32) if need_bias else None
     if n == 0 or v == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
         return dh, dw, db, []
@@ -1075,7 +928,7 @@ def plan(
                 tf32=precision == "tf32",
                 softcap=has_softcap,
                 filtering=filt,
-                deterministic=deterministic,
+                deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
             )
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
@@ -1123,64 +976,31 @@ def plan(
     dummy = lse  # never dereferenced: the matching NEED_* flag is False
 
     launches = []
-    if not deterministic and schedule == "super":
-        supers = triton.cdiv(triton.cdiv(n, bn), 2) * triton.cdiv(triton.cdiv(v, bv), 2)
-        per_program = 3 * bn * bv * hidden.element_size()
-        # Persistent: one program per SM (or 3 in the interpreter, so tests walk several super-tiles
-        # per program), with the scratch capped at SUPER_SCRATCH_BYTES.
-        progs = 3 if props is None else props.sms
-        progs = max(1, min(supers, progs, _config.SUPER_SCRATCH_BYTES // per_program))
-        scratch = torch.empty(progs * 3 * bn * bv, dtype=hidden.dtype, device=device)
-        launches.append(
-            (
-                _grads_super_kernel,
-                (progs,),
-                (
-                    *common,
-                    dh if dh is not None else dummy,
-                    dw if dw is not None else dummy,
-                    db if db is not None else dummy,
-                    scratch,
-                    *scalars,
-                    dh.stride(0) if dh is not None else 0,
-                    dw.stride(0) if dw is not None else 0,
-                ),
-                dict(
-                    NEED_DH=dh is not None,
-                    NEED_DW=dw is not None,
-                    NEED_DB=db is not None,
-                    GROUP_N=group_n,
-                    **flags,
-                    **launch,
-                ),
-            )
+    if schedule == "chunked":
+        launches = _chunked_launches(
+            hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch
         )
-    elif not deterministic:
+    elif schedule in ("tiles", "super"):
+        # The fused and the super-tile kernels take the same arguments (plus the super-tile's scratch).
+        extra = ()
         grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        launches.append(
-            (
-                _grads_fused_kernel,
-                grid,
-                (
-                    *common,
-                    dh if dh is not None else dummy,
-                    dw if dw is not None else dummy,
-                    db if db is not None else dummy,
-                    *scalars,
-                    dh.stride(0) if dh is not None else 0,
-                    dw.stride(0) if dw is not None else 0,
-                ),
-                dict(
-                    NEED_DH=dh is not None,
-                    NEED_DW=dw is not None,
-                    NEED_DB=db is not None,
-                    GROUP_N=group_n,
-                    **flags,
-                    **launch,
-                ),
-            )
-        )
-    else:
+        kernel = _grads_fused_kernel
+        if schedule == "super":
+            supers = triton.cdiv(triton.cdiv(n, bn), 2) * triton.cdiv(triton.cdiv(v, bv), 2)
+            per_program = 3 * bn * bv * hidden.element_size()
+            # Persistent: one program per SM (or 3 in the interpreter, so tests walk several super-tiles
+            # per program), with the scratch capped at SUPER_SCRATCH_BYTES.
+            progs = 3 if props is None else props.sms
+            progs = max(1, min(supers, progs, _config.SUPER_SCRATCH_BYTES // per_program))
+            extra = (torch.empty(progs * 3 * bn * bv, dtype=hidden.dtype, device=device),)
+            grid = (progs,)
+            kernel = _grads_super_kernel
+        outs = tuple(g if g is not None else dummy for g in (dh, dw, db))
+        out_strides = tuple(g.stride(0) if g is not None else 0 for g in (dh, dw))
+        need = dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None)
+        kwargs = dict(**need, GROUP_N=group_n, **flags, **launch)
+        launches.append((kernel, grid, (*common, *outs, *extra, *scalars, *out_strides), kwargs))
+    else:  # owner-computes
         if dh is not None:
             dh_flags = flags
             # One program per token tile: halve the tile when that leaves SMs idle, but not below
@@ -1231,7 +1051,7 @@ def grads(
     filter_eps=None,
     deterministic=False,
     _blocks=None,
-    _schedule="tiles",
+    _schedule=None,
 ):
     """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
     float32, None where not needed (``d_bias`` is None when ``bias`` is None).
@@ -1241,10 +1061,13 @@ def grads(
     [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
     it relative to their row's coefficient scale (see the module docstring; None = exact).
     ``deterministic``: no float atomics, bitwise repeatable.
-    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests
-    and benchmarks): the non-deterministic schedule, ``"tiles"`` (one program per tile pair, the
-    default) or ``"super"`` (2x2 super-tiles: half the atomics, but with Triton 3.9 it spills
-    136-816 B per thread on sm_90/sm_100, so it stays opt-in until a GPU run shows it is faster).
+    ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests and
+    benchmarks; None picks one, see the module docstring): ``"chunked"`` (per vocab chunk, a kernel
+    stores dz and two torch GEMMs consume it: no atomics, deterministic; the default wherever its
+    16 MB scratch fits, for ``deterministic`` too), ``"tiles"`` (one program per tile pair, fp32
+    atomics; the default where the scratch does not fit), ``"super"`` (2x2 super-tiles: half the
+    atomics, but with Triton 3.9 it spills on sm_90/sm_100, so it stays opt-in) or ``"owner"`` (the
+    owner-computes kernels: deterministic without scratch; ``deterministic``'s fallback).
     """
     check_inputs(_INTERPRET, hidden, weight, bias, targets)
     n = hidden.shape[0]

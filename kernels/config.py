@@ -130,6 +130,17 @@ def _fits(smem: int, props: DeviceProps) -> bool:
     return smem <= props.smem_per_block
 
 
+#: Scratch of the chunked backward (the default where it fits): the dz of one vocab chunk,
+#: ``[N, Vc]`` in the compute dtype, plus its db partial sums. Vc is the widest multiple of the
+#: vocab tile within this (1024 columns for N = 8192 in bf16, 896 with a bias); with more tokens
+#: than fit one 128-column chunk (about 63,500 in bf16) the launcher falls back to the per-tile
+#: schedule (or, deterministic, the owner-computes kernels).
+CHUNK_SCRATCH_BYTES = 16 << 20
+
+#: Interpreter: vocab columns per chunk, so that the tests' shapes (V_local <= 200) walk several
+#: chunks, the last one ragged.
+INTERPRET_CHUNK_COLS = 64
+
 #: Scratch the 2x2 super-tile backward may use for its parked dz tiles (3 tiles per resident
 #: program); the program count is capped so that it stays within this.
 SUPER_SCRATCH_BYTES = 16 << 20

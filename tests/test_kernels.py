@@ -315,28 +315,48 @@ def _check_fp32_grads(got, ref, rtol=1e-5):
         assert max_err(g, r) <= rtol * scale(r), (max_err(g, r), scale(r))
 
 
+def _schedule(schedule, deterministic):
+    """``"kernels"``: the schedule without scratch for ``deterministic`` (owner-computes kernels if
+    True, one program per tile pair with atomics if False); else ``schedule`` itself."""
+    if schedule == "kernels":
+        return "owner" if deterministic else "tiles"
+    return schedule
+
+
+# Each backward test runs the chunked schedule (the default where its scratch fits: dz stored per
+# vocab chunk, torch GEMMs) and the scratch-free kernels (atomic per-tile, or owner-computes when
+# deterministic); the interpreter's 64-column chunks make the tests' shapes walk several chunks.
+BWD_SCHEDULES = ["chunked", "kernels"]
+
+
+@pytest.mark.parametrize("schedule", BWD_SCHEDULES)
 @pytest.mark.parametrize("i", range(len(COMBOS)))
-def test_grads_fp32_all_combinations(i):
+def test_grads_fp32_all_combinations(i, schedule):
     bias, softcap, temp, vs = COMBOS[i]
     n, d, v = SHAPES[(i + 2) % len(SHAPES)]
     h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=20 + i)
     lse = shard_lse(*_cpu(h, w, b), softcap, temp).to(DEVICE)
     coef = make_coef(n, seed=i)
-    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, deterministic=bool(i % 2))
+    det = bool(i % 2)
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, deterministic=det, _schedule=_schedule(schedule, det))
     ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, temp)
     _check_fp32_grads(got, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("schedule", BWD_SCHEDULES)
 @pytest.mark.parametrize("i,deterministic", [(7, False), (10, True), (15, False)])
-def test_grads_half_no_worse_than_materialized(dtype, i, deterministic):
+def test_grads_half_no_worse_than_materialized(dtype, i, deterministic, schedule):
     bias, softcap, temp, vs = COMBOS[i]
     n, d, v = 20, 40, 70
     h, w, b, t = make_inputs(n, d, v, dtype, bias=bias, vocab_start=vs, seed=40 + i)
     hc, wc, bc, tc = _cpu(h, w, b, t)
     lse = shard_lse(hc, wc, bc, softcap, temp)
     coef = make_coef(n, seed=i).cpu()
-    got = _run_grads(h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp, deterministic=deterministic)
+    sched = _schedule(schedule, deterministic)
+    got = _run_grads(
+        h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp, deterministic=deterministic, _schedule=sched
+    )
     ref = oracle_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
     mat = materialized_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
     for g, r, m in zip(got, ref, mat):
@@ -350,13 +370,14 @@ def test_grads_half_no_worse_than_materialized(dtype, i, deterministic):
         assert e_k <= 1.5 * e_m + 1e-6 * scale(r), (e_k, e_m)
 
 
-@pytest.mark.parametrize("schedule", ["super", "tiles"])
+@pytest.mark.parametrize("schedule", ["super", "tiles", "chunked"])
 @pytest.mark.parametrize("i", [3, 12, 15])
-def test_grads_both_fused_schedules_match_oracle(schedule, i):
-    """The opt-in 2x2 super-tile schedule (dz tiles parked in scratch, half the atomics) and the
-    default one-program-per-tile schedule both give the oracle's gradients. N=70, V=200 with the
-    interpreter's 16x32 tiles are 5 x 7 tiles: 3 x 4 super-tiles whose last row and column are
-    half empty, walked by 3 persistent programs (4 super-tiles each)."""
+def test_grads_schedules_match_oracle(schedule, i):
+    """The opt-in 2x2 super-tile schedule (dz tiles parked in scratch, half the atomics), the
+    one-program-per-tile schedule and the chunked one (dz stored per vocab chunk, torch GEMMs) all
+    give the oracle's gradients. N=70, V=200 with the interpreter's 16x32 tiles are 5 x 7 tiles:
+    3 x 4 super-tiles whose last row and column are half empty, walked by 3 persistent programs
+    (4 super-tiles each); or 4 chunks of 64 vocab columns, the last one 8 wide."""
     bias, softcap, temp, vs = COMBOS[i]
     n, d, v = 70, 24, 200
     h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=60 + i)
@@ -367,19 +388,20 @@ def test_grads_both_fused_schedules_match_oracle(schedule, i):
     _check_fp32_grads(got, ref)
 
 
+@pytest.mark.parametrize("schedule", ["super", "chunked"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_super_tiles_filter_the_same_tiles(softcap):
-    """With filtering, the super-tile schedule drops exactly the tiles the per-tile schedule drops
-    (a dropped tile's dz is zeroed before it joins its partner): same gradients up to fp32
-    summation order (both sum the same bf16-rounded products in fp32; 1e-5 of the scale bounds
-    the reordering of O(V) terms)."""
+def test_schedules_filter_the_same_tiles(softcap, schedule):
+    """With filtering, the super-tile and the chunked schedules drop exactly the tiles the per-tile
+    schedule drops (a dropped tile's dz is zeroed before it joins its partner / is stored): same
+    gradients up to fp32 summation order (all sum the same bf16-rounded products in fp32; 1e-5 of
+    the scale bounds the reordering of O(V) terms)."""
     n, d, v = 40, 24, 130
     h, w, b, t = make_inputs(n, d, v, torch.bfloat16, bias=True, vocab_start=0, seed=80)
     lse = shard_lse(*_cpu(h, w, b), softcap, 1.0, extra=4.0).to(DEVICE)  # small p: tiles dropped
     coef = make_coef(n, seed=3)
     coef[:, GAMMA] = 0.0  # with a softcap, a row with GAMMA != 0 keeps every tile it is in
     kw = dict(filter_eps=0.05)  # coarse on purpose, so that whole tiles are dropped
-    sup = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule="super", **kw)
+    sup = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule=schedule, **kw)
     til = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule="tiles", **kw)
     exact = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule="tiles")
     assert any(max_err(a, e) > 0 for a, e in zip(til, exact)), "filter dropped nothing: test is vacuous"
@@ -407,8 +429,9 @@ def test_grads_need_flags_and_no_bias():
 
 # NaN / inf hidden rows make NaN logits in the recompute (then selected away): numpy warns.
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("schedule", BWD_SCHEDULES)
 @pytest.mark.parametrize("softcap,deterministic,filter_eps", [(3.0, False, None), (None, True, 1e-3)])
-def test_grads_zero_coef_rows_contribute_nothing(softcap, deterministic, filter_eps):
+def test_grads_zero_coef_rows_contribute_nothing(softcap, deterministic, filter_eps, schedule):
     """Rows with all-zero coefficients (ignored tokens) give exactly zero gradient and stay out of
     dW / db even when their hidden states are not finite (p * 0 would be NaN)."""
     h, w, b, t = make_inputs(7, 16, 37, torch.float32, bias=True, vocab_start=0, seed=10)
@@ -416,7 +439,7 @@ def test_grads_zero_coef_rows_contribute_nothing(softcap, deterministic, filter_
     coef = make_coef(7, zero_rows=())
     coef[:, GAMMA] = 0.01  # label smoothing: the uniform term (analytic when filtering w/o softcap)
     coef[3:] = 0
-    kw = dict(deterministic=deterministic, filter_eps=filter_eps)
+    kw = dict(deterministic=deterministic, filter_eps=filter_eps, _schedule=_schedule(schedule, deterministic))
     dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, **kw)
     assert (dh[3:] == 0).all() and dh[:3].abs().sum() > 0
     h2 = h.clone()
@@ -439,20 +462,45 @@ def test_grads_n0():
         assert (dw == 0).all() and (db == 0).all() and dw.dtype == torch.float32
 
 
+@pytest.mark.parametrize("schedule", ["chunked", "owner"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grads_deterministic_is_bitwise_repeatable(dtype):
+def test_grads_deterministic_is_bitwise_repeatable(dtype, schedule):
     # 2 token tiles x 3 vocab tiles (ragged) x 2 D chunks (ragged) in the interpreter.
     h, w, b, t = make_inputs(20, 24, 70, dtype, bias=True, vocab_start=37, seed=11)
     lse = shard_lse(*_cpu(h, w, b), 4.0, 0.7).to(DEVICE)
     coef = make_coef(20)
-    a = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True)
-    c = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True)
+    a = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, _schedule=schedule)
+    c = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, _schedule=schedule)
     for x, y in zip(a, c):
         assert torch.equal(x, y)
     # ... and agrees with the atomic schedule up to summation order.
-    f = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=False)
+    f = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=False, _schedule="tiles")
     for x, y in zip(a, f):
         assert max_err(x, y) <= 1e-5 * scale(y)
+
+
+def test_schedule_choice_follows_the_scratch_budget():
+    """Without ``_schedule`` the chunked schedule runs wherever one 128-column dz chunk fits the
+    16 MB scratch budget (deterministic or not); beyond it, the per-tile kernel, or the
+    owner-computes kernels when deterministic. The atomic schedules refuse ``deterministic``."""
+    from cce_dist.kernels import backward as B
+
+    def first_kernel(n, deterministic, **kw):
+        m = dict(device="meta")
+        h, w = torch.empty(n, 64, dtype=torch.bfloat16, **m), torch.empty(300, 64, dtype=torch.bfloat16, **m)
+        t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
+        opts = dict(need_hidden=True, need_weight=True, need_bias=False, deterministic=deterministic, **kw)
+        *_, launches = B.plan(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
+        return launches[0][0]
+
+    small, big = 8192, 70_000  # 8192 x 128 x 2 B = 2 MB; 70000 x 128 x 2 B > 16 MB
+    assert first_kernel(small, False) is B._dz_store_kernel
+    assert first_kernel(small, True) is B._dz_store_kernel
+    assert first_kernel(big, False) is B._grads_fused_kernel
+    assert first_kernel(big, True) is B._grads_dh_kernel
+    for schedule in ("tiles", "super"):
+        with pytest.raises(ValueError, match="not deterministic"):
+            first_kernel(small, True, _schedule=schedule)
 
 
 # ------------------------------------------------------------------------------------------------
