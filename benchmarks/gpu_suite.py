@@ -160,10 +160,18 @@ def kernel_times(warmup: int, repeats: int) -> list[dict]:
     common = dict(vocab_start=0, softcap=None, temperature=None, need_hidden=True, need_weight=True, need_bias=False)
     runs = {
         "forward": lambda: K.row_stats(h, w, None, t, vocab_start=0, softcap=None, temperature=None),
-        "backward fused": lambda: K.grads(h, w, None, t, lse, coef, **common),
+        "forward cross-entropy (no SUM / ENTROPY)": lambda: K.row_stats(
+            h, w, None, t, vocab_start=0, softcap=None, temperature=None, need_sum=False, need_entropy=False
+        ),
+        "backward chunked (default)": lambda: K.grads(h, w, None, t, lse, coef, _schedule="chunked", **common),
+        "backward fused": lambda: K.grads(h, w, None, t, lse, coef, _schedule="tiles", **common),
         "backward super-tile (opt-in)": lambda: K.grads(h, w, None, t, lse, coef, _schedule="super", **common),
-        "backward fused filter": lambda: K.grads(h, w, None, t, lse, coef, filter_eps=2.0**-12, **common),
-        "backward deterministic": lambda: K.grads(h, w, None, t, lse, coef, deterministic=True, **common),
+        "backward fused filter": lambda: K.grads(
+            h, w, None, t, lse, coef, filter_eps=2.0**-12, _schedule="tiles", **common
+        ),
+        "backward deterministic (owner-computes)": lambda: K.grads(
+            h, w, None, t, lse, coef, deterministic=True, _schedule="owner", **common
+        ),
     }
     model = {}
     path = os.path.join(os.path.dirname(__file__), "results", "gpu_model.json")
@@ -172,7 +180,7 @@ def kernel_times(warmup: int, repeats: int) -> list[dict]:
             for r in json.load(f)["kernels"]:
                 est = r["H200 SXM"]["est_ms"] if "H200" in torch.cuda.get_device_name() else r["H100 SXM"]["est_ms"]
                 key = r["label"]
-                if key == "forward":
+                if key.startswith("forward"):
                     model[key] = min(model.get(key, float("inf")), est)  # the autotuner keeps the fastest
                 else:
                     model[key] = model.get(key, 0.0) + est  # kernels of one call run in sequence

@@ -46,6 +46,8 @@ def available() -> bool:
         return False
 
 
+# The signature mirrors cce_dist.backend.Backend.row_stats plus the options this backend declares, and the call below
+# passes it on to .forward.row_stats (imported lazily, so this package imports without triton).
 def row_stats(
     hidden, weight, bias, targets, *, vocab_start, softcap, temperature, need_entropy=True, need_sum=True, **kw
 ):

@@ -95,6 +95,7 @@ def _row_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
+        # The backward's _dz_tile makes the same call (the arguments mirror logit_tile's signature): identical logits.
         raw = logit_tile(
             H,
             W,
@@ -168,12 +169,12 @@ def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return all((t.data_ptr() % 16 == 0) and (t.stride(0) * e) % 16 == 0 and t.stride(1) == 1 for t in (hidden, weight))
 
 
-def _tuned_kernel(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool, softcap: bool, aligned: bool, lean: bool):
-    """The forward kernel wrapped in a small autotuner for this device, dtype, epilogue and alignment."""
-    key = (props, dtype, tf32, softcap, aligned, lean)
+def _tuned_kernel(configs: list[_config.FwdConfig]):
+    """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan` picked for the
+    device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
+    key = tuple(configs)
     if key not in _TUNED:
-        configs = [_triton_config(c) for c in _config.forward_candidates(props, dtype, tf32, softcap, aligned, lean)]
-        _TUNED[key] = triton.autotune(configs=configs, key=["D", "V"])(_row_stats_kernel)
+        _TUNED[key] = triton.autotune(configs=[_triton_config(c) for c in configs], key=["D", "V"])(_row_stats_kernel)
     return _TUNED[key]
 
 
@@ -276,6 +277,7 @@ def plan(
     return args, flags, configs, splits_of, out
 
 
+# row_stats takes plan's arguments (less the AOT-only props / allow_tf32) and passes them on.
 def row_stats(
     hidden,
     weight,
@@ -324,15 +326,7 @@ def row_stats(
         _blocks=_blocks,
     )
     if len(configs) > 1 or (not _INTERPRET and _blocks is None):
-        props = _config.DeviceProps.of(device)
-        kernel = _tuned_kernel(
-            props,
-            hidden.dtype,
-            flags["DOT_PRECISION"] == "tf32",
-            flags["HAS_SOFTCAP"],
-            _rows_aligned(hidden, weight),
-            not (need_sum or need_entropy),
-        )
+        kernel = _tuned_kernel(configs)
 
         def cfg_of(meta) -> _config.FwdConfig:
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
