@@ -190,8 +190,11 @@ class DistillationOptions:
     softcap           None, one number for both heads, or a pair ``(student, teacher)`` (each None
                       or > 0): ``softcap * tanh(z / softcap)`` on that head's logits
     shard             a :class:`cce_dist.VocabShard` (both heads hold the same vocab rows), or None
-    impl              "auto" or "torch" (the torch implementation on any device); "triton" is not
-                      implemented for distillation yet
+    impl              "auto" or "torch": the torch implementation (any device); "triton": the Triton
+                      kernels (CUDA, or CPU under TRITON_INTERPRET=1; all tokens in one pass, so
+                      chunk_size does not apply; gradients with float atomics, so not under
+                      torch.use_deterministic_algorithms). "auto" stays torch until the kernels
+                      have been timed on a GPU
     chunk_size        logits of one head per token chunk (tokens x vocab entries), None = the
                       cross-entropy's default (``DEFAULT_CHUNK_SIZE``, at least ``MIN_CHUNK_TOKENS``
                       tokens); a chunk holds 3 (forward KL) or 4 float32 blocks of that size
@@ -242,10 +245,6 @@ class DistillationOptions:
         object.__setattr__(self, "softcap", caps)
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.impl == "triton":
-            raise NotImplementedError(
-                "impl='triton' is not implemented for linear_distillation yet: use impl='torch' (any device)"
-            )
         if self.chunk_size is not None and (
             not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
         ):
