@@ -615,6 +615,15 @@ def _distill_grads_kernel(
         BLOCK_V,
         BLOCK_D,
     )
+    if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
+        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
+        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+        p1 = tl.exp(c_s - lse_1[:, None])
+        hit = offs_v[None, :] == tgt[:, None]
+        # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
+        dz = (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
+    else:
+        dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
     lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
     ls = z_s - lse_s[:, None]
@@ -629,14 +638,7 @@ def _distill_grads_kernel(
         else:
             d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
         d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
-    dz = (g * soft_coef)[:, None] * d
-    if HARD:
-        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
-        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
-        p1 = tl.exp(c_s - lse_1[:, None])
-        hit = offs_v[None, :] == tgt[:, None]
-        # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
-        dz += (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
+    dz += (g * soft_coef)[:, None] * d
     if HAS_CAP_S:
         dz = dz * (1.0 - t_s * t_s)
     dz = tl.where(ok, dz, 0.0)
