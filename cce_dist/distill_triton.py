@@ -13,6 +13,7 @@ No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` pass
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -32,9 +33,9 @@ class Heads(DT.Heads):
 
 
 def _kd():
-    from .kernels import distill  # type: ignore[attr-defined]  # mapped from kernels/ at install time
-
-    return distill
+    """:mod:`cce_dist.kernels.distill` (mapped from kernels/ at install time), imported on first use:
+    importing cce_dist does not import triton."""
+    return importlib.import_module(".kernels.distill", __package__)
 
 
 def _geometry(heads: Heads) -> dict:
@@ -88,10 +89,10 @@ def forward(
     dev = heads.hs.device
     grads_wanted = row_grad is not None and any(need)
     if n == 0:  # the same on every rank of a group (the token count is global): no collective
-        f32 = dict(dtype=torch.float32, device=dev)
-        stats, rows = torch.zeros(0, k, S.NUM_STATS, **f32), torch.zeros(0, heads.n_rows, **f32)
-        out = _grads(heads, stats, rows, torch.zeros(0, **f32), need) if grads_wanted else (None, None, None)
-        return (torch.zeros(0, **f32), stats, rows) + tuple(out)
+        none = torch.zeros(0, dtype=torch.float32, device=dev)
+        stats, rows = none.new_zeros(0, k, S.NUM_STATS), none.new_zeros(0, heads.n_rows)
+        out = _grads(heads, stats, rows, none, need) if grads_wanted else (None, None, None)
+        return (none, stats, rows) + tuple(out)
     kd = _kd()
     local = kd.stats(
         *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, **_geometry(heads)
@@ -101,7 +102,7 @@ def forward(
     rows = reduce_rows(local_rows)
     loss = DT.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None
-    if grads_wanted:
+    if row_grad is not None and grads_wanted:
         g = torch.where(heads.valid, row_grad, 0.0).float()
         dh, dw, db = _grads(heads, stats, rows, g, need)
     return loss, stats, rows, dh, dw, db
