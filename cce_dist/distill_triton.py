@@ -4,9 +4,10 @@ The same contract as :mod:`cce_dist.distill_torch` (``Heads``, ``forward``, ``gr
 per-row statistics ``[N, k, NUM_STATS]``, per-row sums ``[N, n_rows]`` and float32 gradients),
 over all tokens at once instead of token chunks: the kernels hold one logit tile per head per
 program, never a ``[N, V]`` block, so there is nothing to chunk. A forward is one statistics
-launch, one ``reduce_stats``, one per-row-sums launch and one ``reduce_rows``; the gradients are
-one launch that recomputes both heads' tiles from the global statistics (float atomics: not
-bitwise repeatable).
+launch (for either KL it also forms the cross sum its divergence needs), one ``reduce_stats``,
+for the JSD a second launch (its ``log M`` needs both global lse's), and one ``reduce_rows``; the
+gradients are one launch that recomputes both heads' tiles from the global statistics (float
+atomics: not bitwise repeatable).
 
 No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
 """
@@ -94,11 +95,16 @@ def forward(
         out = _grads(heads, stats, rows, none, need) if grads_wanted else (None, None, None)
         return (none, stats, rows) + tuple(out)
     kd = _kd()
-    local = kd.stats(
-        *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, **_geometry(heads)
+    cross = None if o.divergence == "jsd" else o.divergence  # a KL's sums come from the statistics pass
+    local, slabs = kd.stats(
+        *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, cross=cross, **_geometry(heads)
     )  # [k, n, NUM_STATS]
     stats = reduce_stats(local.reshape(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS).transpose(0, 1)
-    local_rows = kd.rows(*_tensors(heads), _lse(stats), divergence=o.divergence, beta=o.beta, **_geometry(heads))
+    lse = _lse(stats)
+    if cross is not None:
+        local_rows = kd.cross_rows(slabs, lse, cross=cross)
+    else:  # the JSD's log M needs both global lse's: a second pass over the tiles
+        local_rows = kd.rows(*_tensors(heads), lse, divergence=o.divergence, beta=o.beta, **_geometry(heads))
     rows = reduce_rows(local_rows)
     loss = DT.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None

@@ -300,16 +300,20 @@ def distill_launches(
     tf32=True,
 ):
     """``[(kernel, grid, args, kwargs)]`` of one ``linear_distillation(impl="triton")`` call on
-    ``props``: the statistics, per-row sums and gradient launches of :mod:`.distill` (all student
-    gradients), from its own ``plan_*`` on meta tensors. ``dtypes``: (student, teacher) compute dtypes."""
+    ``props``: the statistics launch (for either KL with its cross sum), the JSD's per-row sums
+    launch and the gradient launch of :mod:`.distill` (all student gradients), from its own
+    ``plan_*`` on meta tensors. ``dtypes``: (student, teacher) compute dtypes."""
     hs, ws, bs, t = _meta_inputs(n, ds, v, dtypes[0], bias)
     ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias)
     k = 3 if hard else 2
     f32 = dict(dtype=torch.float32, device="meta")
     lse, aux, g = torch.empty(n, k, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     geo = dict(softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32)
-    stats, _out = _kd.plan_stats(hs, ws, bs, ht, wt, bt, t, vocab_start=0, hard=hard, **geo)
-    rows, _out = _kd.plan_rows(hs, ws, bs, ht, wt, bt, lse, divergence=divergence, beta=0.5, **geo)
+    cross = None if divergence == "jsd" else divergence
+    stats, _out = _kd.plan_stats(hs, ws, bs, ht, wt, bt, t, vocab_start=0, hard=hard, cross=cross, **geo)
+    launches = [stats]
+    if cross is None:
+        launches.append(_kd.plan_rows(hs, ws, bs, ht, wt, bt, lse, divergence=divergence, beta=0.5, **geo)[0])
     *_grads, grads = _kd.plan_grads(
         hs,
         ws,
@@ -331,7 +335,7 @@ def distill_launches(
         need_bias=True,
         **geo,
     )
-    return [stats, rows] + grads
+    return launches + grads
 
 
 #: A distillation shape: tokens, the student's and the teacher's hidden sizes, vocab (Llama 3's).

@@ -28,13 +28,14 @@ No autograd and no torch.distributed here: :mod:`cce_dist.distill_triton` passes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from cce_dist.stats import MAX, NUM_STATS, SUMEXP, TARGET, combine_stack, empty_stats
+from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats
 
 from . import config as _config
 from ._common import (
@@ -51,6 +52,9 @@ from ._common import (
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 _MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(TARGET)
+#: Column of block 0 of the statistics kernel's split slabs that holds the KL cross sum (the slot of the unused SUM).
+CROSS_COL = SUM
+_CROSS = tl.constexpr(CROSS_COL)
 
 
 @triton.jit
@@ -160,6 +164,27 @@ def _online(m, s, z, col_ok):
 
 
 @triton.jit
+def _online_pair(m_a, s_a, m_b, s_b, x, z_a, z_b, col_ok):
+    """:func:`_online` of both heads plus the KL's cross sum ``x = sum exp(z_a - m_a) * ((z_a - m_a) -
+    (z_b - m_b))``, each logit taken relative to its head's running max (as the torch implementation
+    does: no cancellation between large logits; a zero ``exp`` contributes 0, not 0 * inf)."""
+    za = tl.where(col_ok[None, :], z_a, float("-inf"))
+    zb = tl.where(col_ok[None, :], z_b, float("-inf"))
+    new_a = tl.maximum(m_a, tl.max(za, axis=1))
+    new_b = tl.maximum(m_b, tl.max(zb, axis=1))
+    first = m_a == float("-inf")  # before the first tile: s = x = 0
+    scale_a = tl.where(first, 0.0, tl.exp(m_a - new_a))
+    scale_b = tl.where(m_b == float("-inf"), 0.0, tl.exp(m_b - new_b))
+    # the terms so far were relative to m_a, m_b: moving both adds (new_b - m_b) - (new_a - m_a) per unit of s_a
+    x = tl.where(first, 0.0, (x + s_a * ((new_b - m_b) - (new_a - m_a))) * scale_a)
+    ea = tl.where(col_ok[None, :], tl.exp(za - new_a[:, None]), 0.0)
+    eb = tl.where(col_ok[None, :], tl.exp(zb - new_b[:, None]), 0.0)
+    d = (za - new_a[:, None]) - (zb - new_b[:, None])
+    x += tl.sum(tl.where(ea != 0.0, ea * d, 0.0), axis=1)
+    return new_a, s_a * scale_a + tl.sum(ea, axis=1), new_b, s_b * scale_b + tl.sum(eb, axis=1), x
+
+
+@triton.jit
 def _log_mix(lt, ls, log_beta, log1m_beta):
     """``log(beta p_t + (1 - beta) p_s)`` from ``lt = log p_t``, ``ls = log p_s`` (a logaddexp;
     NaN only where both are -inf, which callers select out since there p_t = p_s = 0)."""
@@ -202,6 +227,7 @@ def _distill_stats_kernel(
     stride_ok,
     stride_on,
     HARD: tl.constexpr,
+    CROSS: tl.constexpr,
     HAS_BS: tl.constexpr,
     HAS_BT: tl.constexpr,
     HAS_CAP_S: tl.constexpr,
@@ -227,6 +253,9 @@ def _distill_stats_kernel(
     Out (pointer): fp32 [splits, k, N, NUM_STATS], zeroed: program (pid_n, pid_s) writes MAX and
         SUMEXP of z_s (k = 0), z_t (k = 1) and, when HARD, MAX / SUMEXP / TARGET of c_s (k = 2)
         over its split [pid_s * v_per_split, ...) of the vocab (v_per_split a multiple of BLOCK_V).
+    CROSS (constexpr): 1 (forward KL) / 2 (reverse KL): also the cross sum of :func:`_online_pair`
+        in column CROSS_COL of block 0, with a = teacher, b = student (1) or the reverse (2); its
+        per-row divergence sum follows once the global lse's are known (:func:`cross_rows`). 0: none.
     cap_s, cap_t, temperature (float): used when HAS_CAP_S / HAS_CAP_T / HAS_TEMP.
     PREC_* / INTERP_* (constexpr): each head's dot precision and interpreter-bf16 flag.
     """
@@ -247,6 +276,7 @@ def _distill_stats_kernel(
     m_1 = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s_1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
@@ -290,8 +320,13 @@ def _distill_stats_kernel(
             BLOCK_V,
             BLOCK_D,
         )
-        m_s, s_s = _online(m_s, s_s, z_s, col_ok)
-        m_t, s_t = _online(m_t, s_t, z_t, col_ok)
+        if CROSS == 1:  # forward KL: weighted by the teacher
+            m_t, s_t, m_s, s_s, x = _online_pair(m_t, s_t, m_s, s_s, x, z_t, z_s, col_ok)
+        elif CROSS == 2:  # reverse KL: by the student
+            m_s, s_s, m_t, s_t, x = _online_pair(m_s, s_s, m_t, s_t, x, z_s, z_t, col_ok)
+        else:
+            m_s, s_s = _online(m_s, s_s, z_s, col_ok)
+            m_t, s_t = _online(m_t, s_t, z_t, col_ok)
         if HARD:
             if HAS_TEMP:
                 m_1, s_1 = _online(m_1, s_1, c_s, col_ok)
@@ -303,6 +338,8 @@ def _distill_stats_kernel(
     tl.store(out + _SUMEXP, s_s, mask=row_ok)
     tl.store(out + stride_ok + _MAX, m_t, mask=row_ok)
     tl.store(out + stride_ok + _SUMEXP, s_t, mask=row_ok)
+    if CROSS != 0:
+        tl.store(out + _CROSS, x, mask=row_ok)
     if HARD:
         if not HAS_TEMP:  # c_s is z_s
             m_1 = m_s
@@ -691,13 +728,18 @@ _INTERPRET = interpreting(_distill_stats_kernel)
 
 
 def distill_config(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = True) -> _config.BwdConfig:
-    """The one config of all three launches on ``props`` for the wider of the heads' compute dtypes
+    """The one config of all launches on ``props`` for the wider of the heads' compute dtypes
     ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
     backward their softmax terms) besides the gradient products, so the tiles are the backward's
-    64-row ones with the softcap epilogue; checked with the real compiler (tests/test_aot_compile.py)."""
+    64-row ones with the softcap epilogue, and with TF32 on mma.sync (register accumulators) 64-wide
+    vocab tiles: 64 x 128 spilled 104 B there (the forward KL's statistics pass). Checked with the
+    real compiler for every target (tests/test_aot_compile.py)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
-    return _config.backward_config(props, dtype, tf32=tf32, softcap=True)
+    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True)
+    if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
+        c = dataclasses.replace(c, block_v=64)
+    return c
 
 
 class _Launch:
@@ -783,6 +825,12 @@ def _check(hs, ws, bs, ht, wt, bt, rows_like, softcap) -> None:
         raise ValueError(f"softcap must be a pair (student, teacher), got {softcap!r}")
 
 
+def _cross_flag(cross) -> int:
+    if cross not in (None, "kl", "reverse_kl"):
+        raise ValueError(f"cross must be None, 'kl' or 'reverse_kl', got {cross!r}")
+    return {None: 0, "kl": 1, "reverse_kl": 2}[cross]
+
+
 def plan_stats(
     hs,
     ws,
@@ -796,6 +844,7 @@ def plan_stats(
     softcap,
     temperature,
     hard,
+    cross=None,
     props=None,
     allow_tf32=None,
     _splits=None,
@@ -827,7 +876,8 @@ def plan_stats(
         out.stride(2),
     )
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
-    return (_distill_stats_kernel, grid, args, dict(HARD=bool(hard), **ln.flags, **ln.options)), out
+    kwargs = dict(HARD=bool(hard), CROSS=_cross_flag(cross), **ln.flags, **ln.options)
+    return (_distill_stats_kernel, grid, args, kwargs), out
 
 
 def plan_rows(
@@ -960,10 +1010,17 @@ def plan_grads(
     return dh, dw, db, [(_distill_grads_kernel, grid, args, kwargs)]
 
 
-def stats(hs, ws, bs, ht, wt, bt, targets, *, vocab_start, softcap, temperature, hard, _splits=None, _blocks=None):
-    """This shard's partial statistics ``float32 [k, N, NUM_STATS]`` (k = 3 with ``hard``, else 2):
-    MAX / SUMEXP of the student's soft logits (0), the teacher's (1) and with ``hard`` MAX /
-    SUMEXP / TARGET of the student's logits at T=1 (2); the other columns are 0.
+def stats(
+    hs, ws, bs, ht, wt, bt, targets, *, vocab_start, softcap, temperature, hard, cross=None, _splits=None, _blocks=None
+):
+    """This shard's partial statistics and, for a KL, what its per-row divergence sum needs.
+
+    Returns ``(stats, slabs)``: ``stats float32 [k, N, NUM_STATS]`` (k = 3 with ``hard``, else 2):
+    MAX / SUMEXP of the student's soft logits (0), the teacher's (1) and with ``hard`` MAX / SUMEXP
+    / TARGET of the student's logits at T=1 (2), the other columns 0. ``cross`` = ``"kl"`` or
+    ``"reverse_kl"``: ``slabs`` are the per-split ``float32 [splits, 2, N, NUM_STATS]`` that
+    :func:`cross_rows` turns into this shard's divergence sums once the global lse's are known
+    (the same pass: no second launch for either KL); None: ``slabs`` is None.
 
     ``hs [N, D_s]`` / ``ws [V_local, D_s]`` / ``bs [V_local]`` or None: the student, one compute
     dtype (fp32 / bf16 / fp16); ``ht [N, D_t]`` / ``wt [V_local, D_t]`` / ``bt``: the teacher, its
@@ -971,10 +1028,12 @@ def stats(hs, ws, bs, ht, wt, bt, targets, *, vocab_start, softcap, temperature,
     ``softcap`` a pair ``(student, teacher)`` of None or a number; ``temperature`` > 0.
     ``_splits`` / ``_blocks`` (tests only): vocab splits, ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
     """
+    _cross_flag(cross)
     k = 3 if hard else 2
     n, v = hs.shape[0], ws.shape[0]
     if n == 0 or v == 0:
-        return torch.stack([empty_stats(n, hs.device)] * k)
+        empty = torch.stack([empty_stats(n, hs.device)] * k)
+        return empty, (empty[None, :2] if cross is not None else None)
     _check(hs, ws, bs, ht, wt, bt, targets, softcap)
     targets = targets.to(torch.int64)
     (kernel, grid, args, kwargs), out = plan_stats(
@@ -989,11 +1048,30 @@ def stats(hs, ws, bs, ht, wt, bt, targets, *, vocab_start, softcap, temperature,
         softcap=softcap,
         temperature=temperature,
         hard=hard,
+        cross=cross,
         _splits=_splits,
         _blocks=_blocks,
     )
     kernel[grid](*args, **kwargs)
-    return torch.stack([combine_stack(out[:, i]) for i in range(k)])
+    local = torch.stack([combine_stack(out[:, i]) for i in range(k)])
+    local[0, :, CROSS_COL] = 0.0  # the cross sum's slot, not a statistic
+    return local, (out[:, :2] if cross is not None else None)
+
+
+def cross_rows(slabs, lse, *, cross):
+    """This shard's forward (``cross="kl"``) or reverse KL sums ``float32 [N, 1]`` from the split
+    ``slabs`` of :func:`stats` and the global ``lse float32 [N, >= 2]`` (student, teacher):
+    ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + ((m_a - lse_a) - (m_b - lse_b)) s_a)``
+    with ``c_a = exp(m_a - lse_a)``, a the weighting head (teacher for kl), per split maxima ``m``."""
+    ia = {"kl": 1, "reverse_kl": 0}[cross]
+    ib = 1 - ia
+    m_a, s_a, m_b = slabs[:, ia, :, MAX], slabs[:, ia, :, SUMEXP], slabs[:, ib, :, MAX]
+    x = slabs[:, 0, :, CROSS_COL]
+    la, lb = lse[:, ia], lse[:, ib]
+    empty = m_a == float("-inf")  # an empty split (or a head with no finite logit there) adds 0
+    c_a = torch.where(empty, 0.0, torch.exp(m_a - la))
+    term = c_a * (x + ((m_a - la) - (m_b - lb)) * s_a)
+    return torch.where(empty, 0.0, term).sum(0)[:, None]
 
 
 def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature, _splits=None, _blocks=None):

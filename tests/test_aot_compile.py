@@ -112,7 +112,7 @@ def test_every_selectable_kernel_compiles_within_limits(target, tmp_path):
 DISTILL_SPILL_BOUND = 0
 
 
-@pytest.mark.timeout(1800)  # a cold cache compiles 15 kernels per target (about a minute on 2 cores); warm: seconds
+@pytest.mark.timeout(1800)  # a cold cache compiles 12 kernels per target (about a minute on 2 cores); warm: seconds
 @pytest.mark.parametrize("target", TARGETS)
 def test_distill_kernels_compile_within_limits(target, tmp_path):
     """Every launch of ``linear_distillation(impl="triton")`` in ``kernels.aot.distill_matrix`` (statistics,
@@ -120,7 +120,7 @@ def test_distill_kernels_compile_within_limits(target, tmp_path):
     with the config the launcher selects there, within its shared memory and the spill bounds above, on tensor
     cores where the dtype has them. The registers / spills of each kernel are printed (``pytest -s``)."""
     rows = _compile(target, tmp_path, "distill")
-    assert len(rows) == 15, [r["label"] for r in rows]  # sanity: 5 calls x 3 launches, not silently emptied
+    assert len(rows) == 12, [r["label"] for r in rows]  # sanity: 5 calls, 2 or 3 launches each (not silently emptied)
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
     problems = []

@@ -146,7 +146,9 @@ def test_low_precision_heads(s_dtype, t_dtype, div):
     kw = dict(divergence=div, temperature=2.0, hard_label_weight=0.3, softcap=(5.0, 6.0), reduction="none")
     tri, tor, ref = run(kw, seed=5, s_dtype=s_dtype, t_dtype=t_dtype)
     for got in (tri, tor):
-        torch.testing.assert_close(got[0].double().cpu(), ref[0], rtol=1e-2, atol=1e-2 * float(ref[0].detach().abs().max()))
+        torch.testing.assert_close(
+            got[0].double().cpu(), ref[0], rtol=1e-2, atol=1e-2 * float(ref[0].detach().abs().max())
+        )
         for a, b in zip(got[1], ref[1]):
             assert a.dtype == s_dtype
             scale = b.double().abs().max()
@@ -168,8 +170,9 @@ def test_ignored_rows_give_zero_and_no_gradient():
 
 
 def test_splits_and_tiles_agree_with_the_oracle():
-    """Kernel level: the statistics and per-row sums of 1, 2 and 3 vocab splits (and a second tile
-    shape) are the oracle's, so the caller's merge of split slabs is exercised."""
+    """Kernel level: the statistics, the KLs' cross sums (formed in the statistics pass, relative to
+    running maxima that move from tile to tile) and the JSD's per-row sums of 1, 2 and 3 vocab splits
+    (and a second tile shape) are the oracle's, so the merge of split slabs is exercised."""
     from cce_dist import stats as S
     from cce_dist.kernels import distill as KD
 
@@ -180,19 +183,23 @@ def test_splits_and_tiles_agree_with_the_oracle():
     z1 = zs * 1.5
     ls, lt = zs.log_softmax(-1), zt.log_softmax(-1)
     lm = torch.logaddexp(lt + torch.tensor(0.3).log(), ls + torch.tensor(0.7).log())
-    want_rows = torch.stack([(lt.exp() * (lt - lm)).sum(-1), (ls.exp() * (ls - lm)).sum(-1)], 1)
+    want_jsd = torch.stack([(lt.exp() * (lt - lm)).sum(-1), (ls.exp() * (ls - lm)).sum(-1)], 1)
+    want_kl = {"kl": (lt.exp() * (lt - ls)).sum(-1), "reverse_kl": (ls.exp() * (ls - lt)).sum(-1)}
     for splits, blocks in ((1, None), (2, None), (3, None), (2, (32, 16, 16, 32))):
         geo = dict(softcap=(None, None), temperature=1.5, _splits=splits, _blocks=blocks)
-        st = KD.stats(hs, sw, sb, ht, tw, tb, tt, vocab_start=0, hard=True, **geo)
-        assert st.shape == (3, hs.shape[0], S.NUM_STATS)
-        lse = torch.stack([S.lse(st[i]) for i in range(3)], 1)
-        for i, z in enumerate((zs, zt, z1)):
-            torch.testing.assert_close(lse[:, i].double(), torch.logsumexp(z, -1), rtol=1e-6, atol=1e-6)
-        ok = (tt >= 0) & (tt < V)
-        want_x = torch.where(ok, z1.gather(1, tt.clamp(0)[:, None])[:, 0], 0.0)
-        torch.testing.assert_close(st[2, :, S.TARGET].double(), want_x, rtol=1e-6, atol=1e-6)
+        for cross in ("kl", "reverse_kl"):
+            st, slabs = KD.stats(hs, sw, sb, ht, tw, tb, tt, vocab_start=0, hard=True, cross=cross, **geo)
+            assert st.shape == (3, hs.shape[0], S.NUM_STATS)
+            lse = torch.stack([S.lse(st[i]) for i in range(3)], 1)
+            for i, z in enumerate((zs, zt, z1)):
+                torch.testing.assert_close(lse[:, i].double(), torch.logsumexp(z, -1), rtol=1e-6, atol=1e-6)
+            ok = (tt >= 0) & (tt < V)
+            want_x = torch.where(ok, z1.gather(1, tt.clamp(0)[:, None])[:, 0], 0.0)
+            torch.testing.assert_close(st[2, :, S.TARGET].double(), want_x, rtol=1e-6, atol=1e-6)
+            got = KD.cross_rows(slabs, lse, cross=cross)[:, 0]
+            torch.testing.assert_close(got.double(), want_kl[cross], rtol=1e-5, atol=1e-6)
         rows = KD.rows(hs, sw, sb, ht, tw, tb, lse, divergence="jsd", beta=0.3, **geo)
-        torch.testing.assert_close(rows.double(), want_rows, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows.double(), want_jsd, rtol=1e-5, atol=1e-6)
 
 
 def test_saved_tensors_hold_no_logits_block():
