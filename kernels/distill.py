@@ -7,16 +7,19 @@ compute dtype, bias and softcap; one temperature):
 
     c_s = softcap_s(round(h_s @ W_s.T + b_s)),  z_s = c_s / T,  z_t = softcap_t(round(h_t @ W_t.T + b_t)) / T
 
-Three launches, each over the same tiles (the teacher's tile is the one extra logit tile):
+Up to three launches, each over the same tiles (the teacher's tile is the one extra logit tile):
 
 1. :func:`stats` -- per (token tile, vocab split) program, online MAX / SUMEXP of ``z_s`` and
    ``z_t`` and, with a hard-label term, of ``c_s`` (the student at T=1) with its TARGET value:
    ``float32 [k, N, NUM_STATS]`` (:mod:`cce_dist.stats` layout, k = 2 or 3), splits merged here.
-   The caller combines them over a group (``reduce_stats``) into global lse's.
-2. :func:`rows` -- with the global lse's every ``log p`` is known: per-row plain sums over this
-   shard's vocab rows (kl: ``sum p_t (lt - ls)``; reverse_kl: ``sum p_s (ls - lt)``; jsd:
-   ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)``), ``float32 [N, n_rows]``; the caller sums
-   them over a group (``reduce_rows``).
+   The caller combines them over a group (``reduce_stats``) into global lse's. For the forward
+   (reverse) KL the same pass also forms ``sum e_t ((z_t - m_t) - (z_s - m_s))`` (or with s and t
+   swapped) relative to the running maxima, which :func:`cross_rows` turns into the divergence's
+   per-row sum once the global lse's are known: one pass over the tiles for either KL.
+2. :func:`rows` -- the JSD only (its ``lm = log(beta p_t + (1 - beta) p_s)`` needs both global
+   lse's first): per-row sums ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)`` over this
+   shard's vocab rows, ``float32 [N, 2]`` (:func:`rows` also computes either KL this way). The
+   caller sums the per-row sums over a group (``reduce_rows``).
 3. :func:`grads` -- from the global lse's, the per-row sums and a per-row upstream gradient
    ``g``: the gradient w.r.t. the student's raw logits, formed per tile, and its products
    ``dH_s += dz @ W_s``, ``dW_s += dz.T @ h_s``, ``db_s += colsum(dz)`` added to float32 outputs
