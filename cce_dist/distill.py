@@ -15,7 +15,7 @@ import torch
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
 from .options import DistillationOptions, Divergence, Impl, Reduction
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
-from .prepare import check_target_range, compute_dtype, grad_needs, resolve_backend
+from .prepare import check_target_range, compute_dtype, grad_needs, resolve_backend, resolve_deterministic
 from .torch_impl import chunk_tokens
 
 Tensor = torch.Tensor
@@ -97,20 +97,14 @@ def _token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple:
     return shape
 
 
-def _resolve_impl(opts: DistillationOptions, sh: Tensor, th: Tensor, wants_grad: bool) -> str:
+def _resolve_impl(opts: DistillationOptions, sh: Tensor, th: Tensor) -> str:
     """``"torch"`` or ``"triton"`` for ``opts.impl`` (``"auto"``: torch, on every device: the Triton
     kernels have been checked in Triton's interpreter and compiled for GPU targets, not yet timed on
     one). Raises RuntimeError (naming ``impl``) where the kernels cannot run."""
     if opts.impl != "triton":
         return "torch"
     # a zero hidden size runs the torch implementation (after the same availability checks)
-    name = resolve_backend("triton", sh.device, min(sh.shape[-1], th.shape[-1])).NAME
-    if name == "triton" and wants_grad and torch.are_deterministic_algorithms_enabled():
-        raise RuntimeError(
-            "impl='triton' accumulates linear_distillation's gradients with float atomics (not bitwise "
-            "repeatable) and torch.use_deterministic_algorithms(True) is on: use impl='torch' (deterministic)"
-        )
-    return name
+    return resolve_backend("triton", sh.device, min(sh.shape[-1], th.shape[-1])).NAME
 
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
@@ -120,7 +114,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     impl = "torch"
     try:
         _check(sh, sw, th, tw, targets, sb, tb, opts)
-        impl = _resolve_impl(opts, sh, th, any(grad_needs(sh, sw, sb)))
+        impl = _resolve_impl(opts, sh, th)
         local_vocab = sw.shape[0] if shard is None else (shard.stop if shard.world_size == 1 else None)
         if targets is not None:
             check_target_range(targets, opts.ignore_index, local_vocab)
@@ -196,6 +190,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     else:
         t1 = t.reshape(-1)
         valid = t1 != opts.ignore_index
+    opts = opts.replace(deterministic=resolve_deterministic(opts.deterministic))  # read when the loss is called
     plan = DistillPlan(
         student_dtype=s_dtype,
         teacher_dtype=t_dtype,
@@ -237,6 +232,7 @@ def linear_distillation(
     impl: Impl = "auto",
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
+    deterministic: bool = False,
 ):
     """Distillation loss between a teacher's and a student's next-token distributions, from hidden states.
 
@@ -280,6 +276,9 @@ def linear_distillation(
             blocks of that size (plus the softcap's tanh), never an ``[N, V]`` one.
         grad_in_forward: for a scalar loss with gradients, form them during forward (one pass
             over the teacher; a single backward). None = whenever it applies.
+        deterministic: ``impl="triton"``: gradients without float atomics (bitwise repeatable; one
+            more recompute of both heads' tiles); also on under ``torch.use_deterministic_algorithms(True)``.
+            The torch implementation always is.
 
     Collectives under a group of P ranks: the handshake (one all-gather), then per token chunk
     one statistics combine (MAX + SUM all-reduces or one all-gather) and one SUM all-reduce of
@@ -304,6 +303,7 @@ def linear_distillation(
         impl=impl,
         chunk_size=chunk_size,
         grad_in_forward=grad_in_forward,
+        deterministic=deterministic,
     )
     return _distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts

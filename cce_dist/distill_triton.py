@@ -6,8 +6,8 @@ over all tokens at once instead of token chunks: the kernels hold one logit tile
 program, never a ``[N, V]`` block, so there is nothing to chunk. A forward is one statistics
 launch (for either KL it also forms the cross sum its divergence needs), one ``reduce_stats``,
 for the JSD a second launch (its ``log M`` needs both global lse's), and one ``reduce_rows``; the
-gradients are one launch that recomputes both heads' tiles from the global statistics (float
-atomics: not bitwise repeatable).
+gradients are one launch that recomputes both heads' tiles from the global statistics and adds the products
+with float atomics, or with ``deterministic`` two launches without atomics (bitwise repeatable).
 
 No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
 """
@@ -70,6 +70,7 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
         need_hidden=need[0],
         need_weight=need[1],
         need_bias=need[2],
+        deterministic=o.deterministic,
         **_geometry(heads),
     )
 

@@ -298,6 +298,7 @@ def distill_launches(
     softcap=(None, None),
     temperature=None,
     tf32=True,
+    deterministic=False,
 ):
     """``[(kernel, grid, args, kwargs)]`` of one ``linear_distillation(impl="triton")`` call on
     ``props``: the statistics launch (for either KL with its cross sum), the JSD's per-row sums
@@ -333,6 +334,7 @@ def distill_launches(
         need_hidden=True,
         need_weight=True,
         need_bias=True,
+        deterministic=deterministic,
         **geo,
     )
     return launches + grads
@@ -347,7 +349,8 @@ def distill_matrix(props: _config.DeviceProps):
 
     At :data:`DISTILL_SHAPE`: bf16 heads plain (forward KL, no hard label) and with everything on
     (bias, softcap per head, temperature, hard label) for reverse KL and JSD (every kernel and every
-    epilogue); a bf16 student with an fp32 (TF32) teacher; fp32 IEEE once (the small config)."""
+    epilogue); a bf16 student with an fp32 (TF32) teacher; fp32 IEEE once (the small config); the
+    deterministic gradient kernels for bf16 and the TF32 teacher."""
     n, ds, dt, v = DISTILL_SHAPE
     bf, f32 = torch.bfloat16, torch.float32
     full = dict(hard=True, bias=True, softcap=(30.0, 50.0), temperature=2.0)
@@ -357,6 +360,8 @@ def distill_matrix(props: _config.DeviceProps):
         ("bf16/full/jsd", (bf, bf), True, dict(divergence="jsd", **full)),
         ("bf16+tf32/full/kl", (bf, f32), True, dict(divergence="kl", **full)),
         ("fp32/full/jsd", (f32, f32), False, dict(divergence="jsd", **full)),
+        ("bf16/full/jsd/det", (bf, bf), True, dict(divergence="jsd", deterministic=True, **full)),
+        ("bf16+tf32/full/reverse_kl/det", (bf, f32), True, dict(divergence="reverse_kl", deterministic=True, **full)),
     ]
     out = []
     for label, dtypes, tf32, kw in cases:

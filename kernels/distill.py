@@ -485,7 +485,7 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _atomic_add_product(
+def _add_product(
     A,
     X,
     offs_x,
@@ -499,11 +499,13 @@ def _atomic_add_product(
     D,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
+    ATOMIC: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
-    """``Out[offs_o, :D] += A @ X[offs_x, :D]`` with fp32 atomics, ``BLOCK_D_OUT`` columns at a time
-    (the fused backward's update). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32,
-    unit column stride) outside ``o_ok`` are not written."""
+    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
+    (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
+    rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
+    stride) outside ``o_ok`` are neither read nor written."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -513,12 +515,142 @@ def _atomic_add_product(
             other=0.0,
         )
         part = mma(A, x, tl.zeros((A.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
-        tl.atomic_add(
-            Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :],
-            part,
-            mask=o_ok[:, None] & d_ok[None, :],
-            sem="relaxed",
-        )
+        ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
+        msk = o_ok[:, None] & d_ok[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, part, mask=msk, sem="relaxed")
+        else:
+            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
+
+
+@triton.jit
+def _dz_tile(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The student's ``d raw`` tile, fp32 ``[BLOCK_N, BLOCK_V]`` (see :func:`_distill_grads_kernel`), exactly 0
+    outside the valid columns and in rows without gradient (even with non-finite logits: selected out), and the
+    rows that are active (valid with a nonzero upstream gradient)."""
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    g = tl.load(G + offs_n, mask=row_ok, other=0.0)
+    active = row_ok & (g != 0.0)
+    c_s, z_s, z_t, t_s = _tiles(
+        HS,
+        WS,
+        BS,
+        HT,
+        WT,
+        BT,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        DS,
+        DT,
+        cap_s,
+        cap_t,
+        temperature,
+        stride_hsn,
+        stride_hsd,
+        stride_wsv,
+        stride_wsd,
+        stride_bs,
+        stride_htn,
+        stride_htd,
+        stride_wtv,
+        stride_wtd,
+        stride_bt,
+        HAS_BS,
+        HAS_BT,
+        HAS_CAP_S,
+        HAS_CAP_T,
+        HAS_TEMP,
+        USE_LIBDEVICE,
+        PREC_S,
+        PREC_T,
+        INTERP_S,
+        INTERP_T,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
+        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
+        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+        p1 = tl.exp(c_s - lse_1[:, None])
+        hit = offs_v[None, :] == tgt[:, None]
+        # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
+        dz = (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
+    else:
+        dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
+    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
+    ls = z_s - lse_s[:, None]
+    ps = tl.exp(ls)
+    lt = z_t - lse_t[:, None]
+    if DIV == 0:
+        d = ps - tl.exp(lt)
+    else:
+        aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
+        if DIV == 1:
+            d = ls - lt
+        else:
+            d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
+        d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
+    dz += (g * soft_coef)[:, None] * d
+    if HAS_CAP_S:
+        dz = dz * (1.0 - t_s * t_s)
+    return tl.where(active[:, None] & col_ok[None, :], dz, 0.0), active
 
 
 @triton.jit
@@ -608,29 +740,32 @@ def _distill_grads_kernel(
     pid_v = (pid % per_group) // group_size
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-    row_ok = offs_n < N
     col_ok = offs_v < V
-    g = tl.load(G + offs_n, mask=row_ok, other=0.0)
-    # Rows without gradient (ignored tokens) give exactly 0, even with non-finite logits: selected out.
-    active = row_ok & (g != 0.0)
-    ok = active[:, None] & col_ok[None, :]
-
-    c_s, z_s, z_t, t_s = _tiles(
+    dz, active = _dz_tile(
         HS,
         WS,
         BS,
         HT,
         WT,
         BT,
+        Targets,
+        LSE,
+        Aux,
+        G,
         offs_n,
         offs_v,
         N,
         V,
         DS,
         DT,
+        vocab_start,
         cap_s,
         cap_t,
         temperature,
+        log_beta,
+        log1m_beta,
+        soft_coef,
+        hard_coef,
         stride_hsn,
         stride_hsd,
         stride_wsv,
@@ -641,6 +776,10 @@ def _distill_grads_kernel(
         stride_wtv,
         stride_wtd,
         stride_bt,
+        stride_t,
+        stride_ln,
+        DIV,
+        HARD,
         HAS_BS,
         HAS_BT,
         HAS_CAP_S,
@@ -655,39 +794,11 @@ def _distill_grads_kernel(
         BLOCK_V,
         BLOCK_D,
     )
-    if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
-        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
-        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
-        p1 = tl.exp(c_s - lse_1[:, None])
-        hit = offs_v[None, :] == tgt[:, None]
-        # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
-        dz = (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
-    else:
-        dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
-    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
-    ls = z_s - lse_s[:, None]
-    ps = tl.exp(ls)
-    lt = z_t - lse_t[:, None]
-    if DIV == 0:
-        d = ps - tl.exp(lt)
-    else:
-        aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
-        if DIV == 1:
-            d = ls - lt
-        else:
-            d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
-        d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
-    dz += (g * soft_coef)[:, None] * d
-    if HAS_CAP_S:
-        dz = dz * (1.0 - t_s * t_s)
-    dz = tl.where(ok, dz, 0.0)
-
     if NEED_DB:
         tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
     dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
     if NEED_DH:
-        _atomic_add_product(
+        _add_product(
             dzc,
             WS,
             offs_v,
@@ -696,15 +807,16 @@ def _distill_grads_kernel(
             stride_wsd,
             DH,
             offs_n,
-            row_ok,
+            offs_n < N,
             stride_dhn,
             DS,
             PREC_S,
             INTERP_S,
+            True,
             BLOCK_D_OUT,
         )
     if NEED_DW:
-        _atomic_add_product(
+        _add_product(
             tl.trans(dzc),
             HS,
             offs_n,
@@ -718,8 +830,302 @@ def _distill_grads_kernel(
             DS,
             PREC_S,
             INTERP_S,
+            True,
             BLOCK_D_OUT,
         )
+
+
+@triton.jit
+def _distill_dh_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    stride_dhn,
+    stride_dwv,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """
+    Deterministic dH: program ``pid`` owns token rows [pid * BLOCK_N, ...) of DH and walks the vocab
+    tiles in order, updating them by load-add-store (no float atomics: bitwise repeatable).
+    Parameters as in :func:`_distill_grads_kernel` (DW, DB, NEED_DW, NEED_DB, GROUP_N unused).
+    """
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        dz, _active = _dz_tile(
+            HS,
+            WS,
+            BS,
+            HT,
+            WT,
+            BT,
+            Targets,
+            LSE,
+            Aux,
+            G,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            DS,
+            DT,
+            vocab_start,
+            cap_s,
+            cap_t,
+            temperature,
+            log_beta,
+            log1m_beta,
+            soft_coef,
+            hard_coef,
+            stride_hsn,
+            stride_hsd,
+            stride_wsv,
+            stride_wsd,
+            stride_bs,
+            stride_htn,
+            stride_htd,
+            stride_wtv,
+            stride_wtd,
+            stride_bt,
+            stride_t,
+            stride_ln,
+            DIV,
+            HARD,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
+        _add_product(
+            dzc,
+            WS,
+            offs_v,
+            offs_v < V,
+            stride_wsv,
+            stride_wsd,
+            DH,
+            offs_n,
+            offs_n < N,
+            stride_dhn,
+            DS,
+            PREC_S,
+            INTERP_S,
+            False,
+            BLOCK_D_OUT,
+        )
+
+
+@triton.jit
+def _distill_dw_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    stride_dhn,
+    stride_dwv,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """
+    Deterministic dW / db: program ``pid`` owns vocab rows [pid * BLOCK_V, ...) of DW and DB and walks
+    the token tiles in order, updating DW by load-add-store and summing db in registers (one store).
+    Parameters as in :func:`_distill_grads_kernel` (DH, NEED_DH, GROUP_N unused).
+    """
+    offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = offs_v < V
+    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        dz, active = _dz_tile(
+            HS,
+            WS,
+            BS,
+            HT,
+            WT,
+            BT,
+            Targets,
+            LSE,
+            Aux,
+            G,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            DS,
+            DT,
+            vocab_start,
+            cap_s,
+            cap_t,
+            temperature,
+            log_beta,
+            log1m_beta,
+            soft_coef,
+            hard_coef,
+            stride_hsn,
+            stride_hsd,
+            stride_wsv,
+            stride_wsd,
+            stride_bs,
+            stride_htn,
+            stride_htd,
+            stride_wtv,
+            stride_wtd,
+            stride_bt,
+            stride_t,
+            stride_ln,
+            DIV,
+            HARD,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        if NEED_DB:
+            db += tl.sum(dz, axis=0)
+        if NEED_DW:
+            dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
+            _add_product(
+                dzt,
+                HS,
+                offs_n,
+                active,
+                stride_hsn,
+                stride_hsd,
+                DW,
+                offs_v,
+                col_ok,
+                stride_dwv,
+                DS,
+                PREC_S,
+                INTERP_S,
+                False,
+                BLOCK_D_OUT,
+            )
+    if NEED_DB:
+        tl.store(DB + offs_v, db, mask=col_ok)
 
 
 _INTERPRET = interpreting(_distill_stats_kernel)
@@ -730,16 +1136,22 @@ _INTERPRET = interpreting(_distill_stats_kernel)
 # ------------------------------------------------------------------------------------------------
 
 
-def distill_config(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = True) -> _config.BwdConfig:
+def distill_config(
+    props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = True, deterministic: bool = False
+) -> _config.BwdConfig:
     """The one config of all launches on ``props`` for the wider of the heads' compute dtypes
     ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
     backward their softmax terms) besides the gradient products, so the tiles are the backward's
     64-row ones with the softcap epilogue, and with TF32 on mma.sync (register accumulators) 64-wide
     vocab tiles: 64 x 128 spilled 104 B there (the forward KL's statistics pass). Checked with the
-    real compiler for every target (tests/test_aot_compile.py)."""
+    real compiler for every target (tests/test_aot_compile.py). ``deterministic``: the tiles of the
+    deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
-    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True)
+    if deterministic and props.mma == "mma":
+        # the load-add-store epilogue next to both heads' tiles spilled 8-40 B at 64 x 64 on sm_120
+        return _config.BwdConfig(32, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
+    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
     return c
@@ -748,7 +1160,7 @@ def distill_config(props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = 
 class _Launch:
     """The pieces every launch shares: tensors, scalars, constexpr flags and the config."""
 
-    def __init__(self, hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, blocks):
+    def __init__(self, hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, blocks, deterministic=False):
         self.n, self.ds = hs.shape
         self.v, self.dt = ws.shape[0], ht.shape[1]
         interpret = _INTERPRET
@@ -766,7 +1178,7 @@ class _Launch:
             wide = torch.float32 if torch.float32 in (hs.dtype, ht.dtype) else hs.dtype
             # TF32 config only when every fp32 head runs its matmuls in TF32
             tf32 = all(p == "tf32" for p, dt in ((prec_s, hs.dtype), (prec_t, ht.dtype)) if dt == torch.float32)
-            self.cfg = distill_config(props, wide, tf32)
+            self.cfg = distill_config(props, wide, tf32, deterministic)
         self.props = props
         self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
         self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0)
@@ -953,6 +1365,7 @@ def plan_grads(
     need_hidden,
     need_weight,
     need_bias,
+    deterministic=False,
     props=None,
     allow_tf32=None,
     _blocks=None,
@@ -962,7 +1375,7 @@ def plan_grads(
     Arguments as in :func:`grads`."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
+    ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks, deterministic)
     need_bias = bool(need_bias) and bs is not None
     f32 = dict(dtype=torch.float32, device=hs.device)
     dh = torch.zeros(ln.n, ln.ds, **f32) if need_hidden else None
@@ -1009,8 +1422,15 @@ def plan_grads(
         GROUP_N=c.group_n,
         **ln.options,
     )
-    grid = (triton.cdiv(ln.n, c.block_n) * triton.cdiv(ln.v, c.block_v),)
-    return dh, dw, db, [(_distill_grads_kernel, grid, args, kwargs)]
+    if not deterministic:
+        grid = (triton.cdiv(ln.n, c.block_n) * triton.cdiv(ln.v, c.block_v),)
+        return dh, dw, db, [(_distill_grads_kernel, grid, args, kwargs)]
+    launches = []
+    if dh is not None:
+        launches.append((_distill_dh_kernel, (triton.cdiv(ln.n, c.block_n),), args, kwargs))
+    if dw is not None or db is not None:
+        launches.append((_distill_dw_kernel, (triton.cdiv(ln.v, c.block_v),), args, kwargs))
+    return dh, dw, db, launches
 
 
 def stats(
@@ -1129,6 +1549,7 @@ def grads(
     need_hidden,
     need_weight,
     need_bias,
+    deterministic=False,
     _blocks=None,
 ):
     """The student's float32 gradients ``(dh [N, D_s] partial over this shard, dw [V_local, D_s],
@@ -1138,7 +1559,10 @@ def grads(
     only with a hard-label term); ``aux float32 [N]``: reverse_kl's R or jsd's K (global; ignored
     for kl); ``g float32 [N]`` per-row upstream gradient, 0 for rows without one. The loss is
     ``soft_coef * T / (1 - beta for jsd) * D + hard_coef * CE``: ``soft_coef`` already holds the
-    divergence's scale, the jsd's ``1 - beta`` and ``1 / T``. Other arguments as in :func:`stats`.
+    divergence's scale, the jsd's ``1 - beta`` and ``1 / T``. ``deterministic``: no float atomics
+    (a dH kernel owning token tiles and a dW / db kernel owning vocab tiles, each walking the other
+    axis in order: bitwise repeatable, one more recompute of both heads' tiles).
+    Other arguments as in :func:`stats`.
     """
     _check(hs, ws, bs, ht, wt, bt, targets, softcap)
     targets = targets.to(torch.int64)
@@ -1163,6 +1587,7 @@ def grads(
         need_hidden=need_hidden,
         need_weight=need_weight,
         need_bias=need_bias,
+        deterministic=deterministic,
         _blocks=_blocks,
     )
     for kernel, grid, args, kwargs in launches:

@@ -67,7 +67,7 @@ def run(kw, seed=0, s_dtype=torch.float32, t_dtype=torch.float32, bias=True, no_
         if up is None and kw.get("reduction") == "none":
             up = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
         res.append((out, _grads(out, (sh, sw, sb), up)))
-    okw = {k: v for k, v in kw.items() if k != "grad_in_forward"}
+    okw = {k: v for k, v in kw.items() if k not in ("grad_in_forward", "deterministic")}
     ref = oracle_distill(
         sh.cpu(),
         sw.cpu(),
@@ -220,21 +220,30 @@ def test_saved_tensors_hold_no_logits_block():
 
 
 def test_impl_triton_errors_name_the_argument(monkeypatch):
-    sh, sw, sb, th, tw, tb, t = make(1)
-    if INTERPRET:  # CPU tensors without the interpreter
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(RuntimeError, match="impl='triton'.*TRITON_INTERPRET=1"):
-            linear_distillation(sh, sw, th, tw, t, impl="triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sh, sw, sb, th, tw, tb, t = (x.detach().cpu() for x in make(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter
+    with pytest.raises(RuntimeError, match="impl='triton'.*TRITON_INTERPRET=1.*impl='torch'"):
+        linear_distillation(sh, sw, th, tw, t, impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if INTERPRET else "0")
+    with pytest.raises(TypeError, match="deterministic"):
+        linear_distillation(sh, sw, th, tw, t, impl="triton", deterministic="yes")
+
+
+@pytest.mark.parametrize("div", ["kl", "reverse_kl", "jsd"])
+def test_deterministic_kernels_match_oracle(div):
+    """deterministic=True (dH and dW / db kernels that own their output rows, no float atomics), and
+    the same under torch.use_deterministic_algorithms(True): the oracle's numbers, the same bits twice."""
+    kw = dict(divergence=div, temperature=2.0, softcap=(4.0, None), hard_label_weight=0.3, reduction="none")
+    tri, _, ref = run(dict(kw, deterministic=True), seed=6)
+    check(tri, ref, F32, str(kw))
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(RuntimeError, match="impl='triton'.*use_deterministic_algorithms.*impl='torch'"):
-            linear_distillation(sh, sw, th, tw, t, impl="triton")
-        with torch.no_grad():  # no gradients: no atomics, allowed
-            linear_distillation(sh, sw, th, tw, t, impl="triton")
+        again, _, _ = run(dict(kw, grad_in_forward=False), seed=6)
     finally:
         torch.use_deterministic_algorithms(prev)
+    for a, b in zip((tri[0],) + tuple(tri[1]), (again[0],) + tuple(again[1])):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------
