@@ -199,7 +199,9 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
         step=chunk_tokens(n, layout.max_local, opts.chunk_size),
         impl=impl,
     )
-    h2, th2 = sh.reshape(-1, sh.shape[-1]), th.detach().reshape(-1, th.shape[-1])
+    # not reshape(-1, d): with a zero hidden size the row count cannot be inferred from 0 elements
+    h2 = sh.reshape(math.prod(sh.shape[:-1]), sh.shape[-1])
+    th2 = th.detach().reshape(math.prod(th.shape[:-1]), th.shape[-1])
     tw, tb = tw.detach(), None if tb is None else tb.detach()
     if fused:
         return FusedDistill.apply(h2, sw, sb, th2, tw, tb, t1, valid, plan, opts)

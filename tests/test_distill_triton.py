@@ -317,3 +317,31 @@ def test_vocab_parallel_two_ranks_matches_oracle(tmp_path):
     results = run_ranks(_tp_body, 2, tmp_path, timeout=300)
     failures = [f for r in sorted(results) for f in results[r]]
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_zero_hidden_size(impl):
+    """A zero hidden size (the student's logits are its bias) runs (the torch implementation under
+    impl="triton", whose kernels need D > 0), with the oracle's loss and bias gradient: the same as
+    a hidden size of 1 with zero hidden states. Before, flattening ``[..., 0]`` with reshape(-1, 0) raised."""
+    g = torch.Generator().manual_seed(0)
+    sb = torch.randn(V, generator=g).to(DEVICE).requires_grad_()
+    th, tw = torch.randn(2, 3, DT, generator=g).to(DEVICE), torch.randn(V, DT, generator=g).to(DEVICE)
+    sh = torch.zeros(2, 3, 0, device=DEVICE, requires_grad=True)
+    sw = torch.zeros(V, 0, device=DEVICE, requires_grad=True)
+    out = linear_distillation(sh, sw, th, tw, student_bias=sb, impl=impl, divergence="jsd", temperature=2.0)
+    gh, gw, gb = torch.autograd.grad(out, [sh, sw, sb])
+    assert gh.shape == sh.shape and gw.shape == sw.shape
+    sb1 = sb.detach().cpu().double().requires_grad_()
+    ref = oracle_distill(
+        torch.zeros(2, 3, 1, dtype=torch.float64),
+        torch.zeros(V, 1, dtype=torch.float64),
+        th.cpu(),
+        tw.cpu(),
+        student_bias=sb1,
+        divergence="jsd",
+        temperature=2.0,
+    )
+    (rb,) = torch.autograd.grad(ref, [sb1])
+    torch.testing.assert_close(out.double().cpu(), ref, **F32)
+    torch.testing.assert_close(gb.double().cpu(), rb, **F32)
