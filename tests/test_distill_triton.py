@@ -135,22 +135,31 @@ def test_large_logits_stay_exact():
 
 @pytest.mark.parametrize(
     "s_dtype,t_dtype",
-    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
-    ids=["bf16-fp32", "fp32-bf16", "bf16-bf16"],
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+    ],
+    ids=["bf16-fp32", "fp32-bf16", "bf16-bf16", "fp16-fp16"],
 )
 @pytest.mark.parametrize("div", ["kl", "reverse_kl", "jsd"])
 def test_low_precision_heads(s_dtype, t_dtype, div):
     """Each head projects in its own dtype. The oracle rounds the logits to the same dtype (the
-    materialized bf16 program), then float64. The kernel and F.linear accumulate the D products in
-    different orders, so a logit may round to the neighbouring bf16 value (2**-8 relative, ~1e-2 at
-    logits of ~3): the loss agrees to 1e-2 of its scale. The gradients come back in bf16, rounded
-    once (2**-8) after bf16 GEMMs on both sides: 2e-2 of the gradient's scale (as for the torch
-    implementation in tests/test_distill.py)."""
+    materialized bf16 program), then float64. In the interpreter the kernel rounds like F.linear
+    (float32 sums of <= 40 products, then round-to-nearest-even), so the loss agrees to float32
+    accumulation (measured <= 6e-7 relative; asserted 1e-5). On a GPU tl.dot sums in another order,
+    so a logit may round to the neighbouring value (2**-8 relative), which moves the loss by at most
+    2**-8 * max|logit| / T: asserted as 1e-2 of the loss scale there. The gradients come back in the
+    low dtype, rounded once (2**-8) after low-precision GEMMs on both sides: 2e-2 of the gradient's
+    scale (as for the torch implementation in tests/test_distill.py; measured <= 2.3e-3). fp16
+    (2**-11) fits the same bounds."""
     kw = dict(divergence=div, temperature=2.0, hard_label_weight=0.3, softcap=(5.0, 6.0), reduction="none")
     tri, tor, ref = run(kw, seed=5, s_dtype=s_dtype, t_dtype=t_dtype)
     for got in (tri, tor):
+        loss_tol = 1e-5 if INTERPRET else 1e-2
         torch.testing.assert_close(
-            got[0].double().cpu(), ref[0], rtol=1e-2, atol=1e-2 * float(ref[0].detach().abs().max())
+            got[0].double().cpu(), ref[0], rtol=loss_tol, atol=loss_tol * float(ref[0].detach().abs().max())
         )
         for a, b in zip(got[1], ref[1]):
             assert a.dtype == s_dtype
