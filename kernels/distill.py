@@ -24,7 +24,9 @@ Up to three launches, each over the same tiles (the teacher's tile is the one ex
    ``g``: the gradient w.r.t. the student's raw logits, formed per tile, and its products
    ``dH_s += dz @ W_s``, ``dW_s += dz.T @ h_s``, ``db_s += colsum(dz)`` added to float32 outputs
    with ``tl.atomic_add`` (the pattern of :func:`.backward._grads_fused_kernel`; not bitwise
-   repeatable). No teacher gradients.
+   repeatable), or with ``deterministic`` by a dH kernel owning token tiles and a dW / db kernel
+   owning vocab tiles (load-add-store in a fixed order, as :mod:`.backward`'s deterministic mode).
+   No teacher gradients.
 
 No autograd and no torch.distributed here: :mod:`cce_dist.distill_triton` passes the reductions.
 """
