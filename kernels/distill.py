@@ -64,31 +64,15 @@ _CROSS = tl.constexpr(CROSS_COL)
 
 @triton.jit
 def _tiles(
-    HS,
-    WS,
-    BS,
-    HT,
-    WT,
-    BT,
+    S,
+    T,
     offs_n,
     offs_v,
     N,
     V,
-    DS,
-    DT,
     cap_s,
     cap_t,
     temperature,
-    stride_hsn,
-    stride_hsd,
-    stride_wsv,
-    stride_wsd,
-    stride_bs,
-    stride_htn,
-    stride_htd,
-    stride_wtv,
-    stride_wtd,
-    stride_bt,
     HAS_BS: tl.constexpr,
     HAS_BT: tl.constexpr,
     HAS_CAP_S: tl.constexpr,
@@ -105,7 +89,10 @@ def _tiles(
 ):
     """Both heads' fp32 tiles ``[BLOCK_N, BLOCK_V]``: ``(c_s, z_s, z_t, t_s)`` with ``c_s`` the
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
-    ``t_s = tanh(raw_s / cap_s)`` (the softcap's chain factor is ``1 - t_s**2``)."""
+    ``t_s = tanh(raw_s / cap_s)`` (the softcap's chain factor is ``1 - t_s**2``). ``S`` / ``T``: each
+    head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
+    HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
+    HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
     raw = logit_tile(
         HS,
         WS,
@@ -264,6 +251,8 @@ def _distill_stats_kernel(
     cap_s, cap_t, temperature (float): used when HAS_CAP_S / HAS_CAP_T / HAS_TEMP.
     PREC_* / INTERP_* (constexpr): each head's dot precision and interpreter-bf16 flag.
     """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -286,31 +275,15 @@ def _distill_stats_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
         c_s, z_s, z_t, _t = _tiles(
-            HS,
-            WS,
-            BS,
-            HT,
-            WT,
-            BT,
+            S,
+            T,
             offs_n,
             offs_v,
             N,
             V,
-            DS,
-            DT,
             cap_s,
             cap_t,
             temperature,
-            stride_hsn,
-            stride_hsd,
-            stride_wsv,
-            stride_wsd,
-            stride_bs,
-            stride_htn,
-            stride_htd,
-            stride_wtv,
-            stride_wtd,
-            stride_bt,
             HAS_BS,
             HAS_BT,
             HAS_CAP_S,
@@ -410,6 +383,8 @@ def _distill_rows_kernel(
     with ``lm = log(beta p_t + (1 - beta) p_s)`` (``log_beta``, ``log1m_beta``: log beta, log(1 - beta)).
     A zero probability contributes 0 (not 0 * inf). Other parameters as in :func:`_distill_stats_kernel`.
     """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -426,31 +401,15 @@ def _distill_rows_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
         _c, z_s, z_t, _t = _tiles(
-            HS,
-            WS,
-            BS,
-            HT,
-            WT,
-            BT,
+            S,
+            T,
             offs_n,
             offs_v,
             N,
             V,
-            DS,
-            DT,
             cap_s,
             cap_t,
             temperature,
-            stride_hsn,
-            stride_hsd,
-            stride_wsv,
-            stride_wsd,
-            stride_bs,
-            stride_htn,
-            stride_htd,
-            stride_wtv,
-            stride_wtd,
-            stride_bt,
             HAS_BS,
             HAS_BT,
             HAS_CAP_S,
@@ -527,12 +486,8 @@ def _add_product(
 
 @triton.jit
 def _dz_tile(
-    HS,
-    WS,
-    BS,
-    HT,
-    WT,
-    BT,
+    S,
+    T,
     Targets,
     LSE,
     Aux,
@@ -541,8 +496,6 @@ def _dz_tile(
     offs_v,
     N,
     V,
-    DS,
-    DT,
     vocab_start,
     cap_s,
     cap_t,
@@ -551,16 +504,6 @@ def _dz_tile(
     log1m_beta,
     soft_coef,
     hard_coef,
-    stride_hsn,
-    stride_hsd,
-    stride_wsv,
-    stride_wsd,
-    stride_bs,
-    stride_htn,
-    stride_htd,
-    stride_wtv,
-    stride_wtd,
-    stride_bt,
     stride_t,
     stride_ln,
     DIV: tl.constexpr,
@@ -587,31 +530,15 @@ def _dz_tile(
     g = tl.load(G + offs_n, mask=row_ok, other=0.0)
     active = row_ok & (g != 0.0)
     c_s, z_s, z_t, t_s = _tiles(
-        HS,
-        WS,
-        BS,
-        HT,
-        WT,
-        BT,
+        S,
+        T,
         offs_n,
         offs_v,
         N,
         V,
-        DS,
-        DT,
         cap_s,
         cap_t,
         temperature,
-        stride_hsn,
-        stride_hsd,
-        stride_wsv,
-        stride_wsd,
-        stride_bs,
-        stride_htn,
-        stride_htd,
-        stride_wtv,
-        stride_wtd,
-        stride_bt,
         HAS_BS,
         HAS_BT,
         HAS_CAP_S,
@@ -732,6 +659,8 @@ def _distill_grads_kernel(
     DH fp32 [N, DS], DW fp32 [V, DS], DB fp32 [V] (where NEED_*), zeroed, unit column stride.
     Other parameters as in :func:`_distill_stats_kernel` / :func:`_distill_rows_kernel`.
     """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_v = tl.cdiv(V, BLOCK_V)
@@ -744,12 +673,8 @@ def _distill_grads_kernel(
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     dz, active = _dz_tile(
-        HS,
-        WS,
-        BS,
-        HT,
-        WT,
-        BT,
+        S,
+        T,
         Targets,
         LSE,
         Aux,
@@ -758,8 +683,6 @@ def _distill_grads_kernel(
         offs_v,
         N,
         V,
-        DS,
-        DT,
         vocab_start,
         cap_s,
         cap_t,
@@ -768,16 +691,6 @@ def _distill_grads_kernel(
         log1m_beta,
         soft_coef,
         hard_coef,
-        stride_hsn,
-        stride_hsd,
-        stride_wsv,
-        stride_wsd,
-        stride_bs,
-        stride_htn,
-        stride_htd,
-        stride_wtv,
-        stride_wtd,
-        stride_bt,
         stride_t,
         stride_ln,
         DIV,
@@ -904,16 +817,14 @@ def _distill_dh_kernel(
     tiles in order, updating them by load-add-store (no float atomics: bitwise repeatable).
     Parameters as in :func:`_distill_grads_kernel` (DW, DB, NEED_DW, NEED_DB, GROUP_N unused).
     """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         dz, _active = _dz_tile(
-            HS,
-            WS,
-            BS,
-            HT,
-            WT,
-            BT,
+            S,
+            T,
             Targets,
             LSE,
             Aux,
@@ -922,8 +833,6 @@ def _distill_dh_kernel(
             offs_v,
             N,
             V,
-            DS,
-            DT,
             vocab_start,
             cap_s,
             cap_t,
@@ -932,16 +841,6 @@ def _distill_dh_kernel(
             log1m_beta,
             soft_coef,
             hard_coef,
-            stride_hsn,
-            stride_hsd,
-            stride_wsv,
-            stride_wsd,
-            stride_bs,
-            stride_htn,
-            stride_htd,
-            stride_wtv,
-            stride_wtd,
-            stride_bt,
             stride_t,
             stride_ln,
             DIV,
@@ -1047,18 +946,16 @@ def _distill_dw_kernel(
     the token tiles in order, updating DW by load-add-store and summing db in registers (one store).
     Parameters as in :func:`_distill_grads_kernel` (DH, NEED_DH, GROUP_N unused).
     """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         dz, active = _dz_tile(
-            HS,
-            WS,
-            BS,
-            HT,
-            WT,
-            BT,
+            S,
+            T,
             Targets,
             LSE,
             Aux,
@@ -1067,8 +964,6 @@ def _distill_dw_kernel(
             offs_v,
             N,
             V,
-            DS,
-            DT,
             vocab_start,
             cap_s,
             cap_t,
@@ -1077,16 +972,6 @@ def _distill_dw_kernel(
             log1m_beta,
             soft_coef,
             hard_coef,
-            stride_hsn,
-            stride_hsd,
-            stride_wsv,
-            stride_wsd,
-            stride_bs,
-            stride_htn,
-            stride_htd,
-            stride_wtv,
-            stride_wtd,
-            stride_bt,
             stride_t,
             stride_ln,
             DIV,
