@@ -15,7 +15,7 @@ import torch
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
 from .options import DistillationOptions, Divergence, Impl, Reduction
 from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
-from .prepare import check_target_range, compute_dtype, grad_needs
+from .prepare import check_target_range, compute_dtype, grad_needs, resolve_backend, resolve_deterministic
 from .torch_impl import chunk_tokens
 
 Tensor = torch.Tensor
@@ -97,17 +97,29 @@ def _token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple:
     return shape
 
 
+def _resolve_impl(opts: DistillationOptions, sh: Tensor, th: Tensor) -> str:
+    """``"torch"`` or ``"triton"`` for ``opts.impl`` (``"auto"``: torch, on every device: the Triton
+    kernels have been checked in Triton's interpreter and compiled for GPU targets, not yet timed on
+    one). Raises RuntimeError (naming ``impl``) where the kernels cannot run."""
+    if opts.impl != "triton":
+        return "torch"
+    # a zero hidden size runs the torch implementation (after the same availability checks)
+    return resolve_backend("triton", sh.device, min(sh.shape[-1], th.shape[-1])).NAME
+
+
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     shard = opts.shard
     error: BaseException | None = None
     t = None
+    impl = "torch"
     try:
         _check(sh, sw, th, tw, targets, sb, tb, opts)
+        impl = _resolve_impl(opts, sh, th)
         local_vocab = sw.shape[0] if shard is None else (shard.stop if shard.world_size == 1 else None)
         if targets is not None:
             check_target_range(targets, opts.ignore_index, local_vocab)
             t = targets.long()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         error = e
     wants_grad = any(grad_needs(sh, sw, sb))
     fused = opts.reduction != "none" and opts.grad_in_forward is not False and wants_grad
@@ -138,6 +150,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
             opts.reduction,
             opts.softcap,
             opts.chunk_size,
+            impl,  # the implementations issue different collectives (per token chunk or per call)
             sp,
             shard.reduce_hidden_grad,
             shard.stats_collective,
@@ -177,14 +190,18 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     else:
         t1 = t.reshape(-1)
         valid = t1 != opts.ignore_index
+    opts = opts.replace(deterministic=resolve_deterministic(opts.deterministic))  # read when the loss is called
     plan = DistillPlan(
         student_dtype=s_dtype,
         teacher_dtype=t_dtype,
         vocab_start=0 if shard is None else shard.start,
         comm=Comm(shard, layout),
         step=chunk_tokens(n, layout.max_local, opts.chunk_size),
+        impl=impl,
     )
-    h2, th2 = sh.reshape(-1, sh.shape[-1]), th.detach().reshape(-1, th.shape[-1])
+    # not reshape(-1, d): with a zero hidden size the row count cannot be inferred from 0 elements
+    h2 = sh.reshape(math.prod(sh.shape[:-1]), sh.shape[-1])
+    th2 = th.detach().reshape(math.prod(th.shape[:-1]), th.shape[-1])
     tw, tb = tw.detach(), None if tb is None else tb.detach()
     if fused:
         return FusedDistill.apply(h2, sw, sb, th2, tw, tb, t1, valid, plan, opts)
@@ -217,6 +234,7 @@ def linear_distillation(
     impl: Impl = "auto",
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
+    deterministic: bool = False,
 ):
     """Distillation loss between a teacher's and a student's next-token distributions, from hidden states.
 
@@ -252,12 +270,17 @@ def linear_distillation(
         student_bias, teacher_bias: ``[V_local]`` or None.
         softcap: None, one number for both heads, or ``(student, teacher)``.
         shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None.
-        impl: ``"auto"`` or ``"torch"`` (any device).
+        impl: ``"auto"`` (the torch implementation), ``"torch"`` (any device) or ``"triton"`` (the Triton
+            kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; all tokens in one pass,
+            so ``chunk_size`` does not apply).
         chunk_size: logits per head per token chunk, as for the cross-entropy (None:
             ``max(2**24, 256 * V_local)``); a chunk holds three (forward KL) or four float32
             blocks of that size (plus the softcap's tanh), never an ``[N, V]`` one.
         grad_in_forward: for a scalar loss with gradients, form them during forward (one pass
             over the teacher; a single backward). None = whenever it applies.
+        deterministic: ``impl="triton"``: gradients without float atomics (bitwise repeatable; one
+            more recompute of both heads' tiles); also on under ``torch.use_deterministic_algorithms(True)``.
+            The torch implementation always is.
 
     Collectives under a group of P ranks: the handshake (one all-gather), then per token chunk
     one statistics combine (MAX + SUM all-reduces or one all-gather) and one SUM all-reduce of
@@ -282,6 +305,7 @@ def linear_distillation(
         impl=impl,
         chunk_size=chunk_size,
         grad_in_forward=grad_in_forward,
+        deterministic=deterministic,
     )
     return _distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts

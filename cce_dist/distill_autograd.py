@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distill_torch as DT
+from . import distill_triton as DTR
 from .autograd import finish_grads
 from .options import DistillationOptions
 from .parallel import Comm
@@ -29,6 +30,12 @@ class DistillPlan:
     vocab_start: int
     comm: Comm
     step: int  # tokens per chunk, identical on every rank of a group
+    impl: str = "torch"  # "torch" (cce_dist.distill_torch) or "triton" (cce_dist.distill_triton)
+
+    @property
+    def module(self):
+        """The implementation: both modules have ``Heads``, ``forward`` and ``grads`` with one contract."""
+        return DTR if self.impl == "triton" else DT
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -36,7 +43,7 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _heads(plan: DistillPlan, opts, hs, ws, bs, ht, wt, bt, targets, valid) -> DT.Heads:
-    return DT.Heads(
+    return plan.module.Heads(
         hs,
         ws.to(plan.student_dtype),
         _cast(bs, plan.student_dtype),
@@ -80,7 +87,7 @@ class DistillRows(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            loss, stats, rows = DT.forward(heads, plan.step, plan.comm.reduce_stats, plan.comm.reduce_sum)[:3]
+            loss, stats, rows = plan.module.forward(heads, plan.step, plan.comm.reduce_stats, plan.comm.reduce_sum)[:3]
         ctx.save_for_backward(hs, weight, bias, ht, t_weight, t_bias, targets, valid, stats, rows)
         ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
         return loss
@@ -93,7 +100,7 @@ class DistillRows(torch.autograd.Function):
         need = (need_h, need_w, need_b and bias is not None)
         with torch.autocast(device_type=hs.device.type, enabled=False):
             heads = _heads(plan, ctx.opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            dh, dw, db = DT.grads(heads, plan.step, stats, rows, g, need)
+            dh, dw, db = plan.module.grads(heads, plan.step, stats, rows, g, need)
             return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias) + (None,) * 7
 
 
@@ -126,7 +133,7 @@ class FusedDistill(torch.autograd.Function):
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
             n_valid = int(valid.sum().item())
             scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
-            loss_rows, _, _, dh, dw, db = DT.forward(
+            loss_rows, _, _, dh, dw, db = plan.module.forward(
                 heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=scale, need=need
             )
             if dh is not None:

@@ -190,13 +190,17 @@ class DistillationOptions:
     softcap           None, one number for both heads, or a pair ``(student, teacher)`` (each None
                       or > 0): ``softcap * tanh(z / softcap)`` on that head's logits
     shard             a :class:`cce_dist.VocabShard` (both heads hold the same vocab rows), or None
-    impl              "auto" or "torch" (the torch implementation on any device); "triton" is not
-                      implemented for distillation yet
+    impl              "auto" or "torch": the torch implementation (any device); "triton": the Triton
+                      kernels (CUDA, or CPU under TRITON_INTERPRET=1; all tokens in one pass, so
+                      chunk_size does not apply). "auto" stays torch until the kernels have been
+                      timed on a GPU
     chunk_size        logits of one head per token chunk (tokens x vocab entries), None = the
                       cross-entropy's default (``DEFAULT_CHUNK_SIZE``, at least ``MIN_CHUNK_TOKENS``
                       tokens); a chunk holds 3 (forward KL) or 4 float32 blocks of that size
     grad_in_forward   form the student's gradients during forward when the loss is a scalar (the
                       teacher's logits are computed once instead of twice); None = whenever it applies
+    deterministic     triton impl: no float atomics in the gradients (bitwise repeatable); also on
+                      under torch.use_deterministic_algorithms(True); the torch impl always is
     """
 
     divergence: Divergence = "kl"
@@ -211,6 +215,7 @@ class DistillationOptions:
     impl: Impl = "auto"
     chunk_size: int | None = None
     grad_in_forward: bool | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.divergence not in DIVERGENCES:
@@ -242,16 +247,14 @@ class DistillationOptions:
         object.__setattr__(self, "softcap", caps)
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.impl == "triton":
-            raise NotImplementedError(
-                "impl='triton' is not implemented for linear_distillation yet: use impl='torch' (any device)"
-            )
         if self.chunk_size is not None and (
             not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
         ):
             raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
         if self.grad_in_forward not in (None, True, False):
             raise TypeError(f"grad_in_forward must be None or a bool, got {self.grad_in_forward!r}")
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.shard is not None:
             from .parallel import VocabShard
 

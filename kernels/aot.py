@@ -35,9 +35,10 @@ from triton.runtime.jit import create_function_from_signature
 
 from . import backward as _bwd
 from . import config as _config
+from . import distill as _kd
 from . import forward as _fwd
 
-__all__ = ["Compiled", "backward_launches", "cache_dir", "compile_launch", "forward_launches"]
+__all__ = ["Compiled", "backward_launches", "cache_dir", "compile_launch", "distill_launches", "forward_launches"]
 
 
 def cache_dir() -> Path:
@@ -310,33 +311,124 @@ def matrix(props: _config.DeviceProps):
     return out
 
 
+def distill_launches(
+    props: _config.DeviceProps,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    n: int,
+    ds: int,
+    dt: int,
+    v: int,
+    *,
+    divergence="kl",
+    hard=False,
+    bias=False,
+    softcap=(None, None),
+    temperature=None,
+    tf32=True,
+    deterministic=False,
+):
+    """``[(kernel, grid, args, kwargs)]`` of one ``linear_distillation(impl="triton")`` call on
+    ``props``: the statistics launch (for either KL with its cross sum), the JSD's per-row sums
+    launch and the gradient launch of :mod:`.distill` (all student gradients), from its own
+    ``plan_*`` on meta tensors. ``dtypes``: (student, teacher) compute dtypes."""
+    hs, ws, bs, t = _meta_inputs(n, ds, v, dtypes[0], bias)
+    ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias)
+    k = 3 if hard else 2
+    f32 = dict(dtype=torch.float32, device="meta")
+    lse, aux, g = torch.empty(n, k, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    geo = dict(softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32)
+    cross = None if divergence == "jsd" else divergence
+    stats, _out = _kd.plan_stats(hs, ws, bs, ht, wt, bt, t, vocab_start=0, hard=hard, cross=cross, **geo)
+    launches = [stats]
+    if cross is None:
+        launches.append(_kd.plan_rows(hs, ws, bs, ht, wt, bt, lse, divergence=divergence, beta=0.5, **geo)[0])
+    *_grads, grads = _kd.plan_grads(
+        hs,
+        ws,
+        bs,
+        ht,
+        wt,
+        bt,
+        t,
+        lse,
+        aux,
+        g,
+        vocab_start=0,
+        divergence=divergence,
+        beta=0.5,
+        soft_coef=0.5,
+        hard_coef=0.5 if hard else 0.0,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=True,
+        deterministic=deterministic,
+        **geo,
+    )
+    return launches + grads
+
+
+#: A distillation shape: tokens, the student's and the teacher's hidden sizes, vocab (Llama 3's).
+DISTILL_SHAPE = (8192, 2048, 4096, 128256)
+
+
+def distill_matrix(props: _config.DeviceProps):
+    """The distillation launches the AOT test compiles for ``props``: ``[(label, kernel, args, kwargs)]``.
+
+    At :data:`DISTILL_SHAPE`: bf16 heads plain (forward KL, no hard label) and with everything on
+    (bias, softcap per head, temperature, hard label) for reverse KL and JSD (every kernel and every
+    epilogue); a bf16 student with an fp32 (TF32) teacher; fp32 IEEE once (the small config); the
+    deterministic gradient kernels for bf16 and the TF32 teacher."""
+    n, ds, dt, v = DISTILL_SHAPE
+    bf, f32 = torch.bfloat16, torch.float32
+    full = dict(hard=True, bias=True, softcap=(30.0, 50.0), temperature=2.0)
+    cases = [
+        ("bf16/plain/kl", (bf, bf), True, dict(divergence="kl")),
+        ("bf16/full/reverse_kl", (bf, bf), True, dict(divergence="reverse_kl", **full)),
+        ("bf16/full/jsd", (bf, bf), True, dict(divergence="jsd", **full)),
+        ("bf16+tf32/full/kl", (bf, f32), True, dict(divergence="kl", **full)),
+        ("fp32/full/jsd", (f32, f32), False, dict(divergence="jsd", **full)),
+        ("bf16/full/jsd/det", (bf, bf), True, dict(divergence="jsd", deterministic=True, **full)),
+        ("bf16+tf32/full/reverse_kl/det", (bf, f32), True, dict(divergence="reverse_kl", deterministic=True, **full)),
+    ]
+    out = []
+    for label, dtypes, tf32, kw in cases:
+        for kernel, _grid, args, kwargs in distill_launches(props, dtypes, n, ds, dt, v, tf32=tf32, **kw):
+            out.append((f"{label}/{kernel.fn.__name__}", kernel, args, kwargs))
+    return out
+
+
 def main(argv=None) -> None:
-    """``python -m cce_dist.kernels.aot --target sm_90 --json out.json``: compile the matrix for
-    one target and write ``[{label, ok, error, **Compiled}]``."""
+    """``python -m cce_dist.kernels.aot --target sm_90 --json out.json [--matrix distill]``: compile the
+    matrix for one target and write ``[{label, ok, error, **Compiled}]``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--target", required=True, choices=sorted(_config.KNOWN_DEVICES))
     ap.add_argument("--json", required=True)
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--matrix", default="main", choices=sorted(_MATRICES), help="which launches to compile")
     a = ap.parse_args(argv)
     props = _config.KNOWN_DEVICES[a.target]
     arch = props.capability[0] * 10 + props.capability[1]
-    cases = matrix(props)
+    cases = _MATRICES[a.matrix](props)
     if a.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(a.jobs) as ex:
-            rows = list(ex.map(_compile_row, [(a.target, i) for i in range(len(cases))]))
+            rows = list(ex.map(_compile_row, [(a.target, a.matrix, i) for i in range(len(cases))]))
     else:
         rows = [_compile_case(c, arch) for c in cases]
     Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
+#: ``--matrix`` names: the cross-entropy kernels and the distillation kernels.
+_MATRICES = {"main": matrix, "distill": distill_matrix}
+
+
 def _compile_row(job) -> dict:
-    target, i = job
+    target, which, i = job
     props = _config.KNOWN_DEVICES[target]
-    return _compile_case(matrix(props)[i], props.capability[0] * 10 + props.capability[1])
+    return _compile_case(_MATRICES[which](props)[i], props.capability[0] * 10 + props.capability[1])
 
 
 def _compile_case(case, arch: int) -> dict:

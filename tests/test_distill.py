@@ -267,7 +267,6 @@ def test_saved_tensors_hold_no_logits_block():
         (dict(softcap=(None, 0.0)), ValueError, "softcap"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
         (dict(impl="cuda"), ValueError, "impl"),
-        (dict(impl="triton"), NotImplementedError, "impl='torch'"),
         (dict(chunk_size=0), ValueError, "chunk_size"),
         (dict(scale_by_temperature_squared=1), TypeError, "scale_by_temperature_squared"),
     ],

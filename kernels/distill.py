@@ -1,0 +1,1482 @@
+"""Knowledge-distillation kernels: two heads' logit tiles per (token tile, vocab tile), never stored.
+
+The numbers are those of :mod:`cce_dist.distill_torch` (its module docstring has the formulas).
+Per tile the student's and the teacher's logits are recomputed with the shared
+:func:`._common.logit_tile` / :func:`._common.transform` path (each head with its own hidden size,
+compute dtype, bias and softcap; one temperature):
+
+    c_s = softcap_s(round(h_s @ W_s.T + b_s)),  z_s = c_s / T,  z_t = softcap_t(round(h_t @ W_t.T + b_t)) / T
+
+Up to three launches, each over the same tiles (the teacher's tile is the one extra logit tile):
+
+1. :func:`stats` -- per (token tile, vocab split) program, online MAX / SUMEXP of ``z_s`` and
+   ``z_t`` and, with a hard-label term, of ``c_s`` (the student at T=1) with its TARGET value:
+   ``float32 [k, N, NUM_STATS]`` (:mod:`cce_dist.stats` layout, k = 2 or 3), splits merged here.
+   The caller combines them over a group (``reduce_stats``) into global lse's. For the forward
+   (reverse) KL the same pass also forms ``sum e_t ((z_t - m_t) - (z_s - m_s))`` (or with s and t
+   swapped) relative to the running maxima, which :func:`cross_rows` turns into the divergence's
+   per-row sum once the global lse's are known: one pass over the tiles for either KL.
+2. :func:`rows` -- the JSD only (its ``lm = log(beta p_t + (1 - beta) p_s)`` needs both global
+   lse's first): per-row sums ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)`` over this
+   shard's vocab rows, ``float32 [N, 2]`` (:func:`rows` also computes either KL this way). The
+   caller sums the per-row sums over a group (``reduce_rows``).
+3. :func:`grads` -- from the global lse's, the per-row sums and a per-row upstream gradient
+   ``g``: the gradient w.r.t. the student's raw logits, formed per tile, and its products
+   ``dH_s += dz @ W_s``, ``dW_s += dz.T @ h_s``, ``db_s += colsum(dz)`` added to float32 outputs
+   with ``tl.atomic_add`` (the pattern of :func:`.backward._grads_fused_kernel`; not bitwise
+   repeatable), or with ``deterministic`` by a dH kernel owning token tiles and a dW / db kernel
+   owning vocab tiles (load-add-store in a fixed order, as :mod:`.backward`'s deterministic mode).
+   No teacher gradients.
+
+No autograd and no torch.distributed here: :mod:`cce_dist.distill_triton` passes the reductions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats
+
+from . import config as _config
+from ._common import (
+    check_inputs,
+    dot_precision,
+    interp_bf16,
+    interpreting,
+    logit_tile,
+    mma,
+    round_to,
+    transform,
+    use_libdevice,
+)
+
+DIVERGENCES = ("kl", "reverse_kl", "jsd")
+_MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(TARGET)
+#: Column of block 0 of the statistics kernel's split slabs that holds the KL cross sum (the slot of the unused SUM).
+CROSS_COL = SUM
+_CROSS = tl.constexpr(CROSS_COL)
+
+
+@triton.jit
+def _tiles(
+    S,
+    T,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    cap_s,
+    cap_t,
+    temperature,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Both heads' fp32 tiles ``[BLOCK_N, BLOCK_V]``: ``(c_s, z_s, z_t, t_s)`` with ``c_s`` the
+    student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
+    ``t_s = tanh(raw_s / cap_s)`` (the softcap's chain factor is ``1 - t_s**2``). ``S`` / ``T``: each
+    head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
+    HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
+    HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
+    raw = logit_tile(
+        HS,
+        WS,
+        BS,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        DS,
+        stride_hsn,
+        stride_hsd,
+        stride_wsv,
+        stride_wsd,
+        stride_bs,
+        HAS_BS,
+        PREC_S,
+        INTERP_S,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    c_s, t_s = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
+    raw = logit_tile(
+        HT,
+        WT,
+        BT,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        DT,
+        stride_htn,
+        stride_htd,
+        stride_wtv,
+        stride_wtd,
+        stride_bt,
+        HAS_BT,
+        PREC_T,
+        INTERP_T,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    z_t, _t = transform(raw, cap_t, temperature, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    if HAS_TEMP:
+        z_s = c_s / temperature
+    else:
+        z_s = c_s
+    return c_s, z_s, z_t, t_s
+
+
+@triton.jit
+def _online(m, s, z, col_ok):
+    """Fold a tile ``z`` (columns outside ``col_ok`` ignored) into the running row max ``m`` and
+    ``s = sum exp(z - m)`` (``m = -inf``, ``s = 0`` before the first tile)."""
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    new_m = tl.maximum(m, tl.max(z, axis=1))
+    scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - new_m))
+    p = tl.where(col_ok[None, :], tl.exp(z - new_m[:, None]), 0.0)
+    return new_m, s * scale + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _online_pair(m_a, s_a, m_b, s_b, x, z_a, z_b, col_ok):
+    """:func:`_online` of both heads plus the KL's cross sum ``x = sum exp(z_a - m_a) * ((z_a - m_a) -
+    (z_b - m_b))``, each logit taken relative to its head's running max (as the torch implementation
+    does: no cancellation between large logits; a zero ``exp`` contributes 0, not 0 * inf)."""
+    za = tl.where(col_ok[None, :], z_a, float("-inf"))
+    zb = tl.where(col_ok[None, :], z_b, float("-inf"))
+    new_a = tl.maximum(m_a, tl.max(za, axis=1))
+    new_b = tl.maximum(m_b, tl.max(zb, axis=1))
+    first = m_a == float("-inf")  # before the first tile: s = x = 0
+    scale_a = tl.where(first, 0.0, tl.exp(m_a - new_a))
+    scale_b = tl.where(m_b == float("-inf"), 0.0, tl.exp(m_b - new_b))
+    # the terms so far were relative to m_a, m_b: moving both adds (new_b - m_b) - (new_a - m_a) per unit of s_a
+    x = tl.where(first, 0.0, (x + s_a * ((new_b - m_b) - (new_a - m_a))) * scale_a)
+    ea = tl.where(col_ok[None, :], tl.exp(za - new_a[:, None]), 0.0)
+    eb = tl.where(col_ok[None, :], tl.exp(zb - new_b[:, None]), 0.0)
+    d = (za - new_a[:, None]) - (zb - new_b[:, None])
+    x += tl.sum(tl.where(ea != 0.0, ea * d, 0.0), axis=1)
+    return new_a, s_a * scale_a + tl.sum(ea, axis=1), new_b, s_b * scale_b + tl.sum(eb, axis=1), x
+
+
+@triton.jit
+def _log_mix(lt, ls, log_beta, log1m_beta):
+    """``log(beta p_t + (1 - beta) p_s)`` from ``lt = log p_t``, ``ls = log p_s`` (a logaddexp;
+    NaN only where both are -inf, which callers select out since there p_t = p_s = 0)."""
+    a = lt + log_beta
+    b = ls + log1m_beta
+    hi = tl.maximum(a, b)
+    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+
+
+@triton.jit
+def _distill_stats_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    Out,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_os,
+    stride_ok,
+    stride_on,
+    HARD: tl.constexpr,
+    CROSS: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """
+    Pass 1: statistics of both heads over one vocab split.
+
+    Parameters:
+    HS, WS, BS (pointers): the student's hidden [N, DS], weight shard [V, DS] and bias [V] (if
+        HAS_BS), one compute dtype; HT, WT, BT: the teacher's, [N, DT], [V, DT], [V] (its own dtype).
+        Local vocab row j of both heads is global id vocab_start + j.
+    Targets (pointer): [N] int64 global ids (read only when HARD).
+    Out (pointer): fp32 [splits, k, N, NUM_STATS], zeroed: program (pid_n, pid_s) writes MAX and
+        SUMEXP of z_s (k = 0), z_t (k = 1) and, when HARD, MAX / SUMEXP / TARGET of c_s (k = 2)
+        over its split [pid_s * v_per_split, ...) of the vocab (v_per_split a multiple of BLOCK_V).
+    CROSS (constexpr): 1 (forward KL) / 2 (reverse KL): also the cross sum of :func:`_online_pair`
+        in column CROSS_COL of block 0, with a = teacher, b = student (1) or the reverse (2); its
+        per-row divergence sum follows once the global lse's are known (:func:`cross_rows`). 0: none.
+    cap_s, cap_t, temperature (float): used when HAS_CAP_S / HAS_CAP_T / HAS_TEMP.
+    PREC_* / INTERP_* (constexpr): each head's dot precision and interpreter-bf16 flag.
+    """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = offs_n < N
+    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    if HARD:
+        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+
+    m_s = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m_t = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m_1 = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s_1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_ok = offs_v < v_hi
+        c_s, z_s, z_t, _t = _tiles(
+            S,
+            T,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            cap_s,
+            cap_t,
+            temperature,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        if CROSS == 1:  # forward KL: weighted by the teacher
+            m_t, s_t, m_s, s_s, x = _online_pair(m_t, s_t, m_s, s_s, x, z_t, z_s, col_ok)
+        elif CROSS == 2:  # reverse KL: by the student
+            m_s, s_s, m_t, s_t, x = _online_pair(m_s, s_s, m_t, s_t, x, z_s, z_t, col_ok)
+        else:
+            m_s, s_s = _online(m_s, s_s, z_s, col_ok)
+            m_t, s_t = _online(m_t, s_t, z_t, col_ok)
+        if HARD:
+            if HAS_TEMP:
+                m_1, s_1 = _online(m_1, s_1, c_s, col_ok)
+            hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]
+            x_1 += tl.sum(tl.where(hit, c_s, 0.0), axis=1)
+
+    out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
+    tl.store(out + _MAX, m_s, mask=row_ok)
+    tl.store(out + _SUMEXP, s_s, mask=row_ok)
+    tl.store(out + stride_ok + _MAX, m_t, mask=row_ok)
+    tl.store(out + stride_ok + _SUMEXP, s_t, mask=row_ok)
+    if CROSS != 0:
+        tl.store(out + _CROSS, x, mask=row_ok)
+    if HARD:
+        if not HAS_TEMP:  # c_s is z_s
+            m_1 = m_s
+            s_1 = s_s
+        tl.store(out + 2 * stride_ok + _MAX, m_1, mask=row_ok)
+        tl.store(out + 2 * stride_ok + _SUMEXP, s_1, mask=row_ok)
+        tl.store(out + 2 * stride_ok + _TARGET, x_1, mask=row_ok)
+
+
+@triton.jit
+def _distill_rows_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    LSE,
+    Out,
+    N,
+    V,
+    DS,
+    DT,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_ln,
+    stride_os,
+    stride_on,
+    DIV: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """
+    Pass 2: the divergence's per-row sums over one vocab split.
+
+    LSE (pointer): fp32 [N, >= 2] global lse of z_s (column 0) and z_t (column 1), row stride
+    stride_ln. Out: fp32 [splits, N, 1 or 2] (column stride 1): DIV 0 (kl) ``sum p_t (lt - ls)``;
+    1 (reverse_kl) ``sum p_s (ls - lt)``; 2 (jsd) ``sum p_t (lt - lm)`` and ``sum p_s (ls - lm)``
+    with ``lm = log(beta p_t + (1 - beta) p_s)`` (``log_beta``, ``log1m_beta``: log beta, log(1 - beta)).
+    A zero probability contributes 0 (not 0 * inf). Other parameters as in :func:`_distill_stats_kernel`.
+    """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = offs_n < N
+    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
+    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
+
+    r0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    r1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
+        _c, z_s, z_t, _t = _tiles(
+            S,
+            T,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            cap_s,
+            cap_t,
+            temperature,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        ls = z_s - lse_s[:, None]
+        lt = z_t - lse_t[:, None]
+        if DIV == 0:
+            pt = tl.exp(lt)
+            r0 += tl.sum(tl.where(ok & (pt != 0.0), pt * (lt - ls), 0.0), axis=1)
+        elif DIV == 1:
+            ps = tl.exp(ls)
+            r0 += tl.sum(tl.where(ok & (ps != 0.0), ps * (ls - lt), 0.0), axis=1)
+        else:
+            lm = _log_mix(lt, ls, log_beta, log1m_beta)
+            pt = tl.exp(lt)
+            ps = tl.exp(ls)
+            r0 += tl.sum(tl.where(ok & (pt != 0.0), pt * (lt - lm), 0.0), axis=1)
+            r1 += tl.sum(tl.where(ok & (ps != 0.0), ps * (ls - lm), 0.0), axis=1)
+
+    out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
+    tl.store(out, r0, mask=row_ok)
+    if DIV == 2:
+        tl.store(out + 1, r1, mask=row_ok)
+
+
+@triton.jit
+def _add_product(
+    A,
+    X,
+    offs_x,
+    x_ok,
+    stride_xr,
+    stride_xc,
+    Out,
+    offs_o,
+    o_ok,
+    stride_or,
+    D,
+    DOT_PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+):
+    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
+    (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
+    rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
+    stride) outside ``o_ok`` are neither read nor written."""
+    offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
+    for d0 in range(0, D, BLOCK_D_OUT):
+        d_ok = offs_do < D - d0
+        x = tl.load(
+            X + offs_x[:, None] * stride_xr + (d0 + offs_do)[None, :] * stride_xc,
+            mask=x_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        part = mma(A, x, tl.zeros((A.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
+        ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
+        msk = o_ok[:, None] & d_ok[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, part, mask=msk, sem="relaxed")
+        else:
+            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
+
+
+@triton.jit
+def _dz_tile(
+    S,
+    T,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_t,
+    stride_ln,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The student's ``d raw`` tile, fp32 ``[BLOCK_N, BLOCK_V]`` (see :func:`_distill_grads_kernel`), exactly 0
+    outside the valid columns and in rows without gradient (even with non-finite logits: selected out), and the
+    rows that are active (valid with a nonzero upstream gradient)."""
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    g = tl.load(G + offs_n, mask=row_ok, other=0.0)
+    active = row_ok & (g != 0.0)
+    c_s, z_s, z_t, t_s = _tiles(
+        S,
+        T,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        cap_s,
+        cap_t,
+        temperature,
+        HAS_BS,
+        HAS_BT,
+        HAS_CAP_S,
+        HAS_CAP_T,
+        HAS_TEMP,
+        USE_LIBDEVICE,
+        PREC_S,
+        PREC_T,
+        INTERP_S,
+        INTERP_T,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
+        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
+        tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+        p1 = tl.exp(c_s - lse_1[:, None])
+        hit = offs_v[None, :] == tgt[:, None]
+        # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
+        dz = (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
+    else:
+        dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
+    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
+    ls = z_s - lse_s[:, None]
+    ps = tl.exp(ls)
+    lt = z_t - lse_t[:, None]
+    if DIV == 0:
+        d = ps - tl.exp(lt)
+    else:
+        aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
+        if DIV == 1:
+            d = ls - lt
+        else:
+            d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
+        d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
+    dz += (g * soft_coef)[:, None] * d
+    if HAS_CAP_S:
+        dz = dz * (1.0 - t_s * t_s)
+    return tl.where(active[:, None] & col_ok[None, :], dz, 0.0), active
+
+
+@triton.jit
+def _distill_grads_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    stride_dhn,
+    stride_dwv,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """
+    Student gradients over (token tile, vocab tile) pairs, grouped for L2 reuse; fp32 atomics.
+
+    LSE (pointer): fp32 [N, k] global lse's (z_s, z_t, and c_s when HARD). Aux: fp32 [N] the
+    per-row sum the gradient needs (reverse_kl: R; jsd: K; unused for kl). G: fp32 [N] upstream
+    gradient per row (0: the row contributes exactly 0). With ``gs = G * soft_coef`` (soft_coef
+    = soft scale x (1 - beta for jsd) / T) and ``wg = G * hard_coef``:
+
+        dz = gs * (p_s - p_t | p_s (ls - lt - R) | p_s (ls - lm - K)) + wg * (p1 - onehot)
+        draw = dz * (1 - t_s**2) (HAS_CAP_S);  dH += draw @ W_s, dW += draw.T @ h_s, db += colsum
+
+    ``draw`` rounded to the student's compute dtype before the two matmuls (fp32 accumulation).
+    DH fp32 [N, DS], DW fp32 [V, DS], DB fp32 [V] (where NEED_*), zeroed, unit column stride.
+    Other parameters as in :func:`_distill_stats_kernel` / :func:`_distill_rows_kernel`.
+    """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_v = tl.cdiv(V, BLOCK_V)
+    per_group = GROUP_N * num_v
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_v = (pid % per_group) // group_size
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = offs_v < V
+    dz, active = _dz_tile(
+        S,
+        T,
+        Targets,
+        LSE,
+        Aux,
+        G,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        vocab_start,
+        cap_s,
+        cap_t,
+        temperature,
+        log_beta,
+        log1m_beta,
+        soft_coef,
+        hard_coef,
+        stride_t,
+        stride_ln,
+        DIV,
+        HARD,
+        HAS_BS,
+        HAS_BT,
+        HAS_CAP_S,
+        HAS_CAP_T,
+        HAS_TEMP,
+        USE_LIBDEVICE,
+        PREC_S,
+        PREC_T,
+        INTERP_S,
+        INTERP_T,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    if NEED_DB:
+        tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
+    dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
+    if NEED_DH:
+        _add_product(
+            dzc,
+            WS,
+            offs_v,
+            col_ok,
+            stride_wsv,
+            stride_wsd,
+            DH,
+            offs_n,
+            offs_n < N,
+            stride_dhn,
+            DS,
+            PREC_S,
+            INTERP_S,
+            True,
+            BLOCK_D_OUT,
+        )
+    if NEED_DW:
+        _add_product(
+            tl.trans(dzc),
+            HS,
+            offs_n,
+            active,
+            stride_hsn,
+            stride_hsd,
+            DW,
+            offs_v,
+            col_ok,
+            stride_dwv,
+            DS,
+            PREC_S,
+            INTERP_S,
+            True,
+            BLOCK_D_OUT,
+        )
+
+
+@triton.jit
+def _distill_dh_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    stride_dhn,
+    stride_dwv,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """
+    Deterministic dH: program ``pid`` owns token rows [pid * BLOCK_N, ...) of DH and walks the vocab
+    tiles in order, updating them by load-add-store (no float atomics: bitwise repeatable).
+    Parameters as in :func:`_distill_grads_kernel` (DW, DB, NEED_DW, NEED_DB, GROUP_N unused).
+    """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        dz, _active = _dz_tile(
+            S,
+            T,
+            Targets,
+            LSE,
+            Aux,
+            G,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            vocab_start,
+            cap_s,
+            cap_t,
+            temperature,
+            log_beta,
+            log1m_beta,
+            soft_coef,
+            hard_coef,
+            stride_t,
+            stride_ln,
+            DIV,
+            HARD,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
+        _add_product(
+            dzc,
+            WS,
+            offs_v,
+            offs_v < V,
+            stride_wsv,
+            stride_wsd,
+            DH,
+            offs_n,
+            offs_n < N,
+            stride_dhn,
+            DS,
+            PREC_S,
+            INTERP_S,
+            False,
+            BLOCK_D_OUT,
+        )
+
+
+@triton.jit
+def _distill_dw_kernel(
+    HS,
+    WS,
+    BS,
+    HT,
+    WT,
+    BT,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    DH,
+    DW,
+    DB,
+    N,
+    V,
+    DS,
+    DT,
+    vocab_start,
+    cap_s,
+    cap_t,
+    temperature,
+    log_beta,
+    log1m_beta,
+    soft_coef,
+    hard_coef,
+    stride_hsn,
+    stride_hsd,
+    stride_wsv,
+    stride_wsd,
+    stride_bs,
+    stride_htn,
+    stride_htd,
+    stride_wtv,
+    stride_wtd,
+    stride_bt,
+    stride_t,
+    stride_ln,
+    stride_dhn,
+    stride_dwv,
+    DIV: tl.constexpr,
+    HARD: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_BS: tl.constexpr,
+    HAS_BT: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+    PREC_S: tl.constexpr,
+    PREC_T: tl.constexpr,
+    INTERP_S: tl.constexpr,
+    INTERP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """
+    Deterministic dW / db: program ``pid`` owns vocab rows [pid * BLOCK_V, ...) of DW and DB and walks
+    the token tiles in order, updating DW by load-add-store and summing db in registers (one store).
+    Parameters as in :func:`_distill_grads_kernel` (DH, NEED_DH, GROUP_N unused).
+    """
+    S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
+    T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = offs_v < V
+    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        dz, active = _dz_tile(
+            S,
+            T,
+            Targets,
+            LSE,
+            Aux,
+            G,
+            offs_n,
+            offs_v,
+            N,
+            V,
+            vocab_start,
+            cap_s,
+            cap_t,
+            temperature,
+            log_beta,
+            log1m_beta,
+            soft_coef,
+            hard_coef,
+            stride_t,
+            stride_ln,
+            DIV,
+            HARD,
+            HAS_BS,
+            HAS_BT,
+            HAS_CAP_S,
+            HAS_CAP_T,
+            HAS_TEMP,
+            USE_LIBDEVICE,
+            PREC_S,
+            PREC_T,
+            INTERP_S,
+            INTERP_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
+        if NEED_DB:
+            db += tl.sum(dz, axis=0)
+        if NEED_DW:
+            dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
+            _add_product(
+                dzt,
+                HS,
+                offs_n,
+                active,
+                stride_hsn,
+                stride_hsd,
+                DW,
+                offs_v,
+                col_ok,
+                stride_dwv,
+                DS,
+                PREC_S,
+                INTERP_S,
+                False,
+                BLOCK_D_OUT,
+            )
+    if NEED_DB:
+        tl.store(DB + offs_v, db, mask=col_ok)
+
+
+_INTERPRET = interpreting(_distill_stats_kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def distill_config(
+    props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = True, deterministic: bool = False
+) -> _config.BwdConfig:
+    """The one config of all launches on ``props`` for the wider of the heads' compute dtypes
+    ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
+    backward their softmax terms) besides the gradient products, so the tiles are the backward's
+    64-row ones with the softcap epilogue, and with TF32 on mma.sync (register accumulators) 64-wide
+    vocab tiles: 64 x 128 spilled 104 B there (the forward KL's statistics pass). Checked with the
+    real compiler for every target (tests/test_aot_compile.py). ``deterministic``: the tiles of the
+    deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync)."""
+    if props.mma == "none" or (dtype == torch.float32 and not tf32):
+        return _config.SMALL_BWD
+    if deterministic and props.mma == "mma":
+        # the load-add-store epilogue next to both heads' tiles spilled 8-40 B at 64 x 64 on sm_120
+        return _config.BwdConfig(32, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
+    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic)
+    if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
+        c = dataclasses.replace(c, block_v=64)
+    return c
+
+
+class _Launch:
+    """The pieces every launch shares: tensors, scalars, constexpr flags and the config."""
+
+    def __init__(self, hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, blocks, deterministic=False):
+        self.n, self.ds = hs.shape
+        self.v, self.dt = ws.shape[0], ht.shape[1]
+        interpret = _INTERPRET
+        cap_s, cap_t = softcap
+        has_temp = temperature is not None and float(temperature) != 1.0
+        prec_s = dot_precision(hs.dtype, interpret, allow_tf32)
+        prec_t = dot_precision(ht.dtype, interpret, allow_tf32)
+        if blocks is not None:
+            self.cfg = _config.BwdConfig(*blocks, group_n=2)
+        elif interpret:
+            self.cfg = _config.INTERPRET_BWD
+        else:
+            if props is None:
+                props = _config.DeviceProps.of(hs.device)
+            wide = torch.float32 if torch.float32 in (hs.dtype, ht.dtype) else hs.dtype
+            # TF32 config only when every fp32 head runs its matmuls in TF32
+            tf32 = all(p == "tf32" for p, dt in ((prec_s, hs.dtype), (prec_t, ht.dtype)) if dt == torch.float32)
+            self.cfg = distill_config(props, wide, tf32, deterministic)
+        self.props = props
+        self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
+        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0)
+        self.temperature = float(temperature) if has_temp else 1.0
+        self.strides = (
+            hs.stride(0),
+            hs.stride(1),
+            ws.stride(0),
+            ws.stride(1),
+            bs.stride(0) if bs is not None else 0,
+            ht.stride(0),
+            ht.stride(1),
+            wt.stride(0),
+            wt.stride(1),
+            bt.stride(0) if bt is not None else 0,
+        )
+        c = self.cfg
+        self.flags = dict(
+            HAS_BS=bs is not None,
+            HAS_BT=bt is not None,
+            HAS_CAP_S=bool(cap_s),
+            HAS_CAP_T=bool(cap_t),
+            HAS_TEMP=has_temp,
+            USE_LIBDEVICE=use_libdevice(interpret),
+            PREC_S=prec_s,
+            PREC_T=prec_t,
+            INTERP_S=interp_bf16(hs.dtype, interpret),
+            INTERP_T=interp_bf16(ht.dtype, interpret),
+            BLOCK_N=c.block_n,
+            BLOCK_V=c.block_v,
+            BLOCK_D=c.block_d,
+        )
+        self.options = (
+            {}
+            if interpret
+            else dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+        )
+
+    def splits(self, forced: int | None) -> int:
+        """Vocab splits of the two row passes (grid axis 1), none of them empty."""
+        c = self.cfg
+        if forced is not None:
+            s = max(1, int(forced))
+        elif self.props is None:
+            s = 1
+        else:
+            s = _config.pick_splits(self.n, self.v, c.block_n, c.block_v, self.props)
+        per = triton.cdiv(triton.cdiv(self.v, s), c.block_v) * c.block_v
+        return min(s, triton.cdiv(self.v, per))
+
+
+def _check(hs, ws, bs, ht, wt, bt, rows_like, softcap) -> None:
+    """Validate both heads before any launch (``rows_like``: any ``[N]`` tensor of the call)."""
+    check_inputs(_INTERPRET, hs, ws, bs, rows_like)
+    check_inputs(_INTERPRET, ht, wt, bt, rows_like)
+    if wt.shape[0] != ws.shape[0]:
+        raise ValueError(f"the heads must hold the same vocab rows: W_s {tuple(ws.shape)}, W_t {tuple(wt.shape)}")
+    if len(softcap) != 2:
+        raise ValueError(f"softcap must be a pair (student, teacher), got {softcap!r}")
+
+
+def _cross_flag(cross) -> int:
+    if cross not in (None, "kl", "reverse_kl"):
+        raise ValueError(f"cross must be None, 'kl' or 'reverse_kl', got {cross!r}")
+    return {None: 0, "kl": 1, "reverse_kl": 2}[cross]
+
+
+def plan_stats(
+    hs,
+    ws,
+    bs,
+    ht,
+    wt,
+    bt,
+    targets,
+    *,
+    vocab_start,
+    softcap,
+    temperature,
+    hard,
+    cross=None,
+    props=None,
+    allow_tf32=None,
+    _splits=None,
+    _blocks=None,
+):
+    """Pass 1 without launching: ``((kernel, grid, args, kwargs), out [splits, k, N, NUM_STATS])``.
+
+    Works on ``meta`` tensors (tests/test_aot_compile.py compiles exactly this launch for ``props``).
+    Arguments as in :func:`stats`; ``props`` / ``allow_tf32`` as in :func:`.forward.plan`."""
+    ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
+    k = 3 if hard else 2
+    splits = ln.splits(_splits)
+    out = torch.zeros(splits, k, ln.n, NUM_STATS, dtype=torch.float32, device=hs.device)
+    args = (
+        *ln.tensors,
+        targets,
+        out,
+        ln.n,
+        ln.v,
+        ln.ds,
+        ln.dt,
+        int(vocab_start),
+        *ln.scalars,
+        ln.temperature,
+        *ln.strides,
+        targets.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
+    grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
+    kwargs = dict(HARD=bool(hard), CROSS=_cross_flag(cross), **ln.flags, **ln.options)
+    return (_distill_stats_kernel, grid, args, kwargs), out
+
+
+def plan_rows(
+    hs,
+    ws,
+    bs,
+    ht,
+    wt,
+    bt,
+    lse,
+    *,
+    divergence,
+    beta,
+    softcap,
+    temperature,
+    props=None,
+    allow_tf32=None,
+    _splits=None,
+    _blocks=None,
+):
+    """Pass 2 without launching: ``((kernel, grid, args, kwargs), out [splits, N, n_rows])``.
+    Arguments as in :func:`rows`."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
+    jsd = divergence == "jsd"
+    splits = ln.splits(_splits)
+    out = torch.empty(splits, ln.n, 2 if jsd else 1, dtype=torch.float32, device=hs.device)
+    args = (
+        *ln.tensors,
+        lse,
+        out,
+        ln.n,
+        ln.v,
+        ln.ds,
+        ln.dt,
+        *ln.scalars,
+        ln.temperature,
+        math.log(beta),
+        math.log1p(-beta),
+        *ln.strides,
+        lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
+    grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
+    kwargs = dict(DIV=DIVERGENCES.index(divergence), **ln.flags, **ln.options)
+    return (_distill_rows_kernel, grid, args, kwargs), out
+
+
+def plan_grads(
+    hs,
+    ws,
+    bs,
+    ht,
+    wt,
+    bt,
+    targets,
+    lse,
+    aux,
+    g,
+    *,
+    vocab_start,
+    divergence,
+    beta,
+    softcap,
+    temperature,
+    soft_coef,
+    hard_coef,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic=False,
+    props=None,
+    allow_tf32=None,
+    _blocks=None,
+):
+    """The backward without launching: ``(dh, dw, db, launches)`` (zeroed fp32 outputs or None;
+    ``launches`` a list of ``(kernel, grid, args, kwargs)``, empty when there is nothing to do).
+    Arguments as in :func:`grads`."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks, deterministic)
+    need_bias = bool(need_bias) and bs is not None
+    f32 = dict(dtype=torch.float32, device=hs.device)
+    dh = torch.zeros(ln.n, ln.ds, **f32) if need_hidden else None
+    dw = torch.zeros(ln.v, ln.ds, **f32) if need_weight else None
+    db = torch.zeros(ln.v, **f32) if need_bias else None
+    if ln.n == 0 or ln.v == 0 or not (need_hidden or need_weight or need_bias):
+        return dh, dw, db, []
+    c = ln.cfg
+    dummy = g  # never dereferenced: the matching NEED_* flag is False
+    args = (
+        *ln.tensors,
+        targets,
+        lse,
+        aux,
+        g,
+        dh if dh is not None else dummy,
+        dw if dw is not None else dummy,
+        db if db is not None else dummy,
+        ln.n,
+        ln.v,
+        ln.ds,
+        ln.dt,
+        int(vocab_start),
+        *ln.scalars,
+        ln.temperature,
+        math.log(beta),
+        math.log1p(-beta),
+        float(soft_coef),
+        float(hard_coef),
+        *ln.strides,
+        targets.stride(0),
+        lse.stride(0),
+        dh.stride(0) if dh is not None else 0,
+        dw.stride(0) if dw is not None else 0,
+    )
+    kwargs = dict(
+        DIV=DIVERGENCES.index(divergence),
+        HARD=lse.shape[1] > 2 and float(hard_coef) != 0.0,
+        NEED_DH=dh is not None,
+        NEED_DW=dw is not None,
+        NEED_DB=db is not None,
+        **ln.flags,
+        BLOCK_D_OUT=c.block_d_out,
+        GROUP_N=c.group_n,
+        **ln.options,
+    )
+    if not deterministic:
+        grid = (triton.cdiv(ln.n, c.block_n) * triton.cdiv(ln.v, c.block_v),)
+        return dh, dw, db, [(_distill_grads_kernel, grid, args, kwargs)]
+    launches = []
+    if dh is not None:
+        launches.append((_distill_dh_kernel, (triton.cdiv(ln.n, c.block_n),), args, kwargs))
+    if dw is not None or db is not None:
+        launches.append((_distill_dw_kernel, (triton.cdiv(ln.v, c.block_v),), args, kwargs))
+    return dh, dw, db, launches
+
+
+def stats(
+    hs, ws, bs, ht, wt, bt, targets, *, vocab_start, softcap, temperature, hard, cross=None, _splits=None, _blocks=None
+):
+    """This shard's partial statistics and, for a KL, what its per-row divergence sum needs.
+
+    Returns ``(stats, slabs)``: ``stats float32 [k, N, NUM_STATS]`` (k = 3 with ``hard``, else 2):
+    MAX / SUMEXP of the student's soft logits (0), the teacher's (1) and with ``hard`` MAX / SUMEXP
+    / TARGET of the student's logits at T=1 (2), the other columns 0. ``cross`` = ``"kl"`` or
+    ``"reverse_kl"``: ``slabs`` are the per-split ``float32 [splits, 2, N, NUM_STATS]`` that
+    :func:`cross_rows` turns into this shard's divergence sums once the global lse's are known
+    (the same pass: no second launch for either KL); None: ``slabs`` is None.
+
+    ``hs [N, D_s]`` / ``ws [V_local, D_s]`` / ``bs [V_local]`` or None: the student, one compute
+    dtype (fp32 / bf16 / fp16); ``ht [N, D_t]`` / ``wt [V_local, D_t]`` / ``bt``: the teacher, its
+    own compute dtype; ``targets [N]`` int64 global ids (local row j is id ``vocab_start + j``);
+    ``softcap`` a pair ``(student, teacher)`` of None or a number; ``temperature`` > 0.
+    ``_splits`` / ``_blocks`` (tests only): vocab splits, ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``.
+    """
+    _cross_flag(cross)
+    k = 3 if hard else 2
+    n, v = hs.shape[0], ws.shape[0]
+    if n == 0 or v == 0:
+        empty = torch.stack([empty_stats(n, hs.device)] * k)
+        return empty, (empty[None, :2] if cross is not None else None)
+    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    targets = targets.to(torch.int64)
+    (kernel, grid, args, kwargs), out = plan_stats(
+        hs,
+        ws,
+        bs,
+        ht,
+        wt,
+        bt,
+        targets,
+        vocab_start=vocab_start,
+        softcap=softcap,
+        temperature=temperature,
+        hard=hard,
+        cross=cross,
+        _splits=_splits,
+        _blocks=_blocks,
+    )
+    kernel[grid](*args, **kwargs)
+    local = torch.stack([combine_stack(out[:, i]) for i in range(k)])
+    local[0, :, CROSS_COL] = 0.0  # the cross sum's slot, not a statistic
+    return local, (out[:, :2] if cross is not None else None)
+
+
+def cross_rows(slabs, lse, *, cross):
+    """This shard's forward (``cross="kl"``) or reverse KL sums ``float32 [N, 1]`` from the split
+    ``slabs`` of :func:`stats` and the global ``lse float32 [N, >= 2]`` (student, teacher):
+    ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + ((m_a - lse_a) - (m_b - lse_b)) s_a)``
+    with ``c_a = exp(m_a - lse_a)``, a the weighting head (teacher for kl), per split maxima ``m``."""
+    ia = {"kl": 1, "reverse_kl": 0}[cross]
+    ib = 1 - ia
+    m_a, s_a, m_b = slabs[:, ia, :, MAX], slabs[:, ia, :, SUMEXP], slabs[:, ib, :, MAX]
+    x = slabs[:, 0, :, CROSS_COL]
+    la, lb = lse[:, ia], lse[:, ib]
+    empty = m_a == float("-inf")  # an empty split (or a head with no finite logit there) adds 0
+    c_a = torch.where(empty, 0.0, torch.exp(m_a - la))
+    term = c_a * (x + ((m_a - la) - (m_b - lb)) * s_a)
+    return torch.where(empty, 0.0, term).sum(0)[:, None]
+
+
+def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature, _splits=None, _blocks=None):
+    """This shard's partial per-row divergence sums ``float32 [N, n_rows]`` (n_rows = 2 for jsd: the
+    teacher part ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)``; else 1) given ``lse float32
+    [N, >= 2]``, the global lse of the student's (column 0) and the teacher's (1) soft logits.
+    Other arguments as in :func:`stats`."""
+    n, v = hs.shape[0], ws.shape[0]
+    width = 2 if divergence == "jsd" else 1
+    if n == 0 or v == 0:
+        return torch.zeros(n, width, dtype=torch.float32, device=hs.device)
+    lse = lse.to(torch.float32).contiguous()  # the kernel reads its columns at unit stride
+    _check(hs, ws, bs, ht, wt, bt, lse[:, 0], softcap)
+    (kernel, grid, args, kwargs), out = plan_rows(
+        hs,
+        ws,
+        bs,
+        ht,
+        wt,
+        bt,
+        lse,
+        divergence=divergence,
+        beta=beta,
+        softcap=softcap,
+        temperature=temperature,
+        _splits=_splits,
+        _blocks=_blocks,
+    )
+    kernel[grid](*args, **kwargs)
+    return out.sum(0)
+
+
+def grads(
+    hs,
+    ws,
+    bs,
+    ht,
+    wt,
+    bt,
+    targets,
+    lse,
+    aux,
+    g,
+    *,
+    vocab_start,
+    divergence,
+    beta,
+    softcap,
+    temperature,
+    soft_coef,
+    hard_coef,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic=False,
+    _blocks=None,
+):
+    """The student's float32 gradients ``(dh [N, D_s] partial over this shard, dw [V_local, D_s],
+    db [V_local])`` of ``sum_i g_i * loss_i`` (None where not needed or without bias).
+
+    ``lse float32 [N, k]``: the global lse's of :func:`stats`' heads (column 2, the student at T=1,
+    only with a hard-label term); ``aux float32 [N]``: reverse_kl's R or jsd's K (global; ignored
+    for kl); ``g float32 [N]`` per-row upstream gradient, 0 for rows without one. The loss is
+    ``soft_coef * T / (1 - beta for jsd) * D + hard_coef * CE``: ``soft_coef`` already holds the
+    divergence's scale, the jsd's ``1 - beta`` and ``1 / T``. ``deterministic``: no float atomics
+    (a dH kernel owning token tiles and a dW / db kernel owning vocab tiles, each walking the other
+    axis in order: bitwise repeatable, one more recompute of both heads' tiles).
+    Other arguments as in :func:`stats`.
+    """
+    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    targets = targets.to(torch.int64)
+    dh, dw, db, launches = plan_grads(
+        hs,
+        ws,
+        bs,
+        ht,
+        wt,
+        bt,
+        targets,
+        lse.to(torch.float32).contiguous(),
+        aux.to(torch.float32).contiguous(),
+        g.to(torch.float32).contiguous(),
+        vocab_start=vocab_start,
+        divergence=divergence,
+        beta=beta,
+        softcap=softcap,
+        temperature=temperature,
+        soft_coef=soft_coef,
+        hard_coef=hard_coef,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        deterministic=deterministic,
+        _blocks=_blocks,
+    )
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return dh, dw, db
