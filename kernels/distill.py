@@ -51,6 +51,7 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
+    softcap_slope,
     transform,
     use_libdevice,
 )
@@ -87,9 +88,9 @@ def _tiles(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Both heads' fp32 tiles ``[BLOCK_N, BLOCK_V]``: ``(c_s, z_s, z_t, t_s)`` with ``c_s`` the
+    """Both heads' fp32 tiles ``[BLOCK_N, BLOCK_V]``: ``(c_s, z_s, z_t, slope_s)`` with ``c_s`` the
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
-    ``t_s = tanh(raw_s / cap_s)`` (the softcap's chain factor is ``1 - t_s**2``). ``S`` / ``T``: each
+    ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.softcap_slope``). ``S`` / ``T``: each
     head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
     HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
     HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
@@ -114,7 +115,11 @@ def _tiles(
         BLOCK_V,
         BLOCK_D,
     )
-    c_s, t_s = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
+    c_s, _t = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
+    if HAS_CAP_S:  # the chain factor 1 - tanh^2, formed without cancellation (dead code where unused)
+        slope_s = softcap_slope(raw, cap_s)
+    else:
+        slope_s = _t
     raw = logit_tile(
         HT,
         WT,
@@ -141,7 +146,7 @@ def _tiles(
         z_s = c_s / temperature
     else:
         z_s = c_s
-    return c_s, z_s, z_t, t_s
+    return c_s, z_s, z_t, slope_s
 
 
 @triton.jit
@@ -529,7 +534,7 @@ def _dz_tile(
     col_ok = offs_v < V
     g = tl.load(G + offs_n, mask=row_ok, other=0.0)
     active = row_ok & (g != 0.0)
-    c_s, z_s, z_t, t_s = _tiles(
+    c_s, z_s, z_t, slope_s = _tiles(
         S,
         T,
         offs_n,
@@ -578,7 +583,7 @@ def _dz_tile(
         d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
     dz += (g * soft_coef)[:, None] * d
     if HAS_CAP_S:
-        dz = dz * (1.0 - t_s * t_s)
+        dz = dz * slope_s
     return tl.where(active[:, None] & col_ok[None, :], dz, 0.0), active
 
 

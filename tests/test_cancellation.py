@@ -226,3 +226,34 @@ def test_softcap_gradient_where_tanh_saturates(impl, cap):
         err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
         floor = 4 * U32 * float(e.abs().max())  # a few float32 roundings of the largest entry
         assert err <= 2 * err_mat + floor, f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g}"
+
+
+def _softcap_kl(hs, ws, ht, wt, *, cap):
+    """Forward KL(p_t || p_s) summed over rows, the student's logits softcapped; every step in the leaves' dtype."""
+    ls = torch.log_softmax(cap * torch.tanh((hs @ ws.T) / cap), -1)
+    lt = torch.log_softmax(ht @ wt.T, -1)
+    return (lt.exp() * (lt - ls)).sum()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_distillation_softcap_gradient_where_tanh_saturates(impl):
+    """The distillation kernels' student softcap chain factor where the tanh saturates (raw logits ~4 caps deep):
+    formed as ``1 - t * t`` it made dW 4.3x less accurate than the materialized fp32 program."""
+    g = torch.Generator().manual_seed(11)
+    n, v, d, cap = 6, 7, 12, 0.7
+    hs, ws = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    hs = hs * (4.0 * cap / (hs @ ws.T).abs().mean())
+    ht, wt = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+
+    def grads(fn, hs, ws):
+        h1, w1 = hs.detach().clone().requires_grad_(True), ws.detach().clone().requires_grad_(True)
+        fn(h1, w1).backward()
+        return h1.grad, w1.grad
+
+    exact = grads(lambda a, b: _softcap_kl(a, b, ht.double(), wt.double(), cap=cap), hs.double(), ws.double())
+    mat = grads(lambda a, b: _softcap_kl(a, b, ht, wt, cap=cap), hs, ws)
+    got = grads(lambda a, b: linear_distillation(a, b, ht, wt, reduction="sum", softcap=(cap, None), impl=impl), hs, ws)
+    for name, x, m, e in zip(("dH", "dW"), got, mat, exact):
+        err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
+        floor = 4 * U32 * float(e.abs().max())
+        assert err <= 2 * err_mat + floor, f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g}"
