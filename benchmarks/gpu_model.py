@@ -56,8 +56,7 @@ ASSUMPTIONS = {
     "alu": "fp32 elementwise at 128 per clock per SM; the forward's online-softmax epilogue counts 16 ops per "
     "logit with all five statistics, 9 without SUM and ENTROPY (the cross-entropy without label smoothing: the "
     "entropy term's 4 ops and the SUM term's 3 are not compiled in) (+4 with softcap), the backward's dz 14 ops "
-    "(+6 with softcap: tanh and the slope 4e/(1+e)^2, +3 with filtering); with a softcap the backward also takes "
-    "two SFU ops more per logit (tanh, and the exp of the slope)",
+    "(+4 with softcap, +3 with filtering)",
     "epilogue_overlap": "none: Triton 3.9 runs a tile's elementwise epilogue after its K loop (no warp "
     "specialization), so elementwise time adds to the MMA time (conservative)",
     "atomics": "fp32 red.global.add (no return) to distinct L2-resident addresses at 1.5 TB/s of payload on "
@@ -159,8 +158,8 @@ def model(r: dict, g: dict) -> dict:
         atomic_bytes = 0
     elif kern == "_dz_store_kernel":
         mma_flops, useful = 2 * logits * D, 0  # the gradient FLOPs are the torch GEMMs' (chunked_gemms)
-        alu = 14 + (6 if softcap else 0) + (3 if filt else 0)
-        mufu = 1 + (2 if softcap else 0)
+        alu = 14 + (4 if softcap else 0) + (3 if filt else 0)
+        mufu = 1 + (1 if softcap else 0)
         vc = chunk_columns(bv)
         # Per chunk: W_c from HBM once, H re-read (38 MB > what L2 keeps next to W_c) once; dz written.
         hbm = wbytes + math.ceil(V / vc) * hbytes + logits * 2
@@ -178,8 +177,8 @@ def model(r: dict, g: dict) -> dict:
             * logits
             * D
         )
-        alu = 14 + (6 if softcap else 0) + (3 if filt else 0)
-        mufu = 1 + (2 if softcap else 0)
+        alu = 14 + (4 if softcap else 0) + (3 if filt else 0)
+        mufu = 1 + (1 if softcap else 0)
         if kern == "_grads_fused_kernel":
             group = c.get("GROUP_N", 8)
             groups = math.ceil(N / (bn * group))

@@ -80,19 +80,6 @@ def use_libdevice(interpret: bool) -> bool:
 
 
 @triton.jit
-def tanh_f32(x, USE_LIBDEVICE: tl.constexpr):
-    """tanh in fp32. libdevice on GPU; elsewhere (1 - e) / (1 + e) with e = exp(-2|x|), which has
-    an absolute error of a few 1e-8 (enough: callers multiply by ``softcap``, so the error is
-    ~1 ulp of the cap)."""
-    if USE_LIBDEVICE:
-        return libdevice.tanh(x)
-    else:
-        e = tl.exp(-2.0 * tl.abs(x))
-        y = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -y, y)
-
-
-@triton.jit
 def round_to(x, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
     """fp32 ``x`` rounded to ``DTYPE`` (nearest even). Returns DTYPE, or with INTERP_BF16 an
     fp32 tensor holding the bf16-rounded values (NaN/inf are not special-cased there)."""
@@ -160,30 +147,40 @@ def logit_tile(
 
 
 @triton.jit
-def softcap_slope(raw, softcap):
-    """``d z / d raw`` of ``z = softcap * tanh(raw / softcap)``: ``1 - tanh^2 = 4e / (1 + e)^2`` with
-    ``e = exp(-2|raw / softcap|)``. Formed from ``e``, not as ``1 - t * t``: where ``|t|`` is near 1
-    that difference keeps only the rounding of ``t`` (a tanh with a few 1e-8 of absolute error gave
-    slopes of ~1e-3 with 1e-4 relative error, and gradients several times less accurate than the
-    materialized fp32 program's); this form has a few ulps of relative error everywhere."""
-    e = tl.exp(-2.0 * tl.abs(raw / softcap))
-    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+def tanh_and_slope(x, USE_LIBDEVICE: tl.constexpr):
+    """``(tanh x, 1 - tanh(x)**2)`` in fp32.
+
+    On GPU ``libdevice.tanh`` (about 1 ulp) and the slope ``1 - t * t``: the same formula and accuracy
+    as the materialized program's autograd (``grad * (1 - y**2)`` from torch's tanh). Elsewhere (the
+    interpreter) ``e = exp(-2|x|)``, ``tanh |x| = (1 - e) / (1 + e)`` (a few 1e-8 absolute error:
+    callers multiply by the softcap, so ~1 ulp of the cap) and the slope ``4e / (1 + e)**2`` from the
+    same ``e``: ``1 - t * t`` there would keep only that tanh's rounding where it saturates (slopes of
+    1e-3 with 1e-4 relative error: fp32 gradients up to 8x less accurate than the materialized
+    program's, found by the long fuzz run)."""
+    if USE_LIBDEVICE:
+        t = libdevice.tanh(x)
+        return t, 1.0 - t * t
+    else:
+        e = tl.exp(-2.0 * tl.abs(x))
+        y = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -y, y), 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
 @triton.jit
 def transform(
     raw, softcap, temperature, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, USE_LIBDEVICE: tl.constexpr
 ):
-    """raw -> (z, t) with t = tanh(raw / softcap) (t = 0 without a softcap; used by the
-    backward chain rule 1 - t^2)."""
+    """raw -> (z, slope): ``z = softcap * tanh(raw / softcap) / temperature`` (each step only when
+    enabled) and the softcap's chain factor ``slope = 1 - tanh(raw / softcap)**2`` for the backward
+    (see :func:`tanh_and_slope`; 1 without a softcap; dead code, removed by the compiler, where unused)."""
     if HAS_SOFTCAP:
-        t = tanh_f32(raw / softcap, USE_LIBDEVICE)
+        t, slope = tanh_and_slope(raw / softcap, USE_LIBDEVICE)
         c = softcap * t
     else:
-        t = tl.zeros_like(raw)
+        slope = tl.full(raw.shape, 1.0, tl.float32)
         c = raw
     if HAS_TEMP:
         z = c / temperature
     else:
         z = c
-    return z, t
+    return z, slope

@@ -3,12 +3,12 @@ recomputing logit tiles from the global ``lse`` instead of storing logits or pro
 
 For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coefficients):
 
-    z, t  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
+    z, s  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
     p     = exp(z - lse_I)
     dz    = (p - [j == t_i]) * ALPHA + p * DELTA * (z - lse_I) + BETA * [j == t_i] + GAMMA
             (the p-terms 0 where p == 0)
-    draw  = dz / temperature * (1 - t^2)                  (each factor only when enabled; 1 - t^2 formed
-                                                         without cancellation: _common.softcap_slope)
+    draw  = dz / temperature * s                          (each factor only when enabled; s = 1 - t^2,
+                                                         _common.tanh_and_slope)
     dH_I += draw @ W_J        dW_J += draw.T @ h_I        db_J += colsum(draw)
 
 ``draw`` is rounded to the compute dtype before the two gradient matmuls (what a materialized
@@ -73,7 +73,6 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
-    softcap_slope,
     transform,
     use_libdevice,
 )
@@ -155,7 +154,7 @@ def _dz_tile(
         BLOCK_V,
         BLOCK_D,
     )
-    z, _t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
+    z, slope = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
     lse = tl.load(LSE + offs_n, mask=row_ok, other=0.0)
     crow = Coef + offs_n * stride_cn
@@ -196,7 +195,7 @@ def _dz_tile(
     if HAS_TEMP:
         dz = dz / temperature
     if HAS_SOFTCAP:
-        dz = dz * softcap_slope(raw, softcap)
+        dz = dz * slope
     dz = tl.where(ok, dz, 0.0)
 
     if not FILTER:

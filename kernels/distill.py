@@ -51,7 +51,6 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
-    softcap_slope,
     transform,
     use_libdevice,
 )
@@ -90,8 +89,8 @@ def _tiles(
 ):
     """Both heads' fp32 tiles ``[BLOCK_N, BLOCK_V]``: ``(c_s, z_s, z_t, slope_s)`` with ``c_s`` the
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
-    ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.softcap_slope``). ``S`` / ``T``: each
-    head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
+    ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.tanh_and_slope``).
+    ``S`` / ``T``: each head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
     HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
     HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
     raw = logit_tile(
@@ -115,11 +114,7 @@ def _tiles(
         BLOCK_V,
         BLOCK_D,
     )
-    c_s, _t = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
-    if HAS_CAP_S:  # the chain factor 1 - tanh^2, formed without cancellation (dead code where unused)
-        slope_s = softcap_slope(raw, cap_s)
-    else:
-        slope_s = _t
+    c_s, slope_s = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
     raw = logit_tile(
         HT,
         WT,
@@ -658,7 +653,7 @@ def _distill_grads_kernel(
     = soft scale x (1 - beta for jsd) / T) and ``wg = G * hard_coef``:
 
         dz = gs * (p_s - p_t | p_s (ls - lt - R) | p_s (ls - lm - K)) + wg * (p1 - onehot)
-        draw = dz * (1 - t_s**2) (HAS_CAP_S);  dH += draw @ W_s, dW += draw.T @ h_s, db += colsum
+        draw = dz * (1 - tanh(raw_s / cap_s)**2) (HAS_CAP_S);  dH += draw @ W_s, dW += draw.T @ h_s, db += colsum
 
     ``draw`` rounded to the student's compute dtype before the two matmuls (fp32 accumulation).
     DH fp32 [N, DS], DW fp32 [V, DS], DB fp32 [V] (where NEED_*), zeroed, unit column stride.

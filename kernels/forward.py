@@ -117,7 +117,7 @@ def _row_stats_kernel(
             BLOCK_V,
             BLOCK_D,
         )
-        z, _t = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
+        z, _slope = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
         z_m = tl.where(col_ok[None, :], z, float("-inf"))
         new_m = tl.maximum(m, tl.max(z_m, axis=1))
