@@ -205,7 +205,7 @@ def _dz_tile(
 
 
 @triton.jit
-def _swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
+def swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
     """``(pid_n, pid_v)`` of work item ``pid`` on a ``num_n x num_v`` grid walked in grouped order:
     ``GROUP_N`` token tiles take the vocab tiles together, so a W tile is reused from L2 by the
     group (as in the Triton matmul tutorial)."""
@@ -216,7 +216,7 @@ def _swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
 
 
 @triton.jit
-def _add_products(
+def add_products(
     A0,
     X0,
     offs_0,
@@ -344,7 +344,7 @@ def _grads_fused_kernel(
         NEED_DB); all zero-initialised by the caller, contiguous along D.
     filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
     """
-    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
     scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
@@ -363,10 +363,10 @@ def _grads_fused_kernel(
         mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
         if NEED_DH:
             w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
+            add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
         if NEED_DW:
             h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-            _add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
+            add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
 
 
 @triton.jit
@@ -451,7 +451,7 @@ def _grads_super_kernel(
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for st in range(pid, num_sn * num_sv, nprog):
-        sn, sv = _swizzle(st, num_sn, num_sv, GROUP_N)
+        sn, sv = swizzle(st, num_sn, num_sv, GROUP_N)
         offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         offs_n1 = offs_n0 + BLOCK_N
         offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -475,7 +475,7 @@ def _grads_super_kernel(
         if NEED_DH:
             if keep00 | keep01:
                 a0 = tl.load(slot).to(dzc.dtype)
-                _add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
+                add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
 
         # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
         dz, keep10, act1 = _dz_tile(offs_n1, offs_v0, *src, *scal, *strides, *flags, *cfg)
@@ -490,7 +490,7 @@ def _grads_super_kernel(
         if NEED_DW:
             if keep00 | keep10:
                 a0 = tl.trans(tl.load(slot).to(dzc.dtype))
-                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
+                add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
 
         # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
         dz, keep11, act1 = _dz_tile(offs_n1, offs_v1, *src, *scal, *strides, *flags, *cfg)
@@ -501,11 +501,11 @@ def _grads_super_kernel(
         if NEED_DW:
             if keep01 | keep11:
                 a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
-                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
+                add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
         if NEED_DH:
             if keep10 | keep11:
                 a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
-                _add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
+                add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
@@ -569,7 +569,7 @@ def _dz_store_kernel(
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
-    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -641,7 +641,7 @@ def _grads_dh_kernel(
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
             mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
             w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
+            add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
 
 
 # The mirror image of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
@@ -712,7 +712,7 @@ def _grads_dw_kernel(
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
                 mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
                 h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-                _add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
+                add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 

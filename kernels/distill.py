@@ -55,12 +55,54 @@ from ._common import (
     transform,
     use_libdevice,
 )
+from .backward import add_products, swizzle
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 _MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(TARGET)
 #: Column of block 0 of the statistics kernel's split slabs that holds the KL cross sum (the slot of the unused SUM).
 CROSS_COL = SUM
 _CROSS = tl.constexpr(CROSS_COL)
+
+
+@triton.jit
+def _head_logits(
+    X,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One head's raw logit tile (:func:`._common.logit_tile`); ``X`` = the head's ``(H, W, Bias, D,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
+    H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b = X
+    # The arguments mirror logit_tile's signature (as in the forward and backward kernels).
+    return logit_tile(
+        H,
+        W,
+        Bias,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        D,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        stride_b,
+        HAS_BIAS,
+        PREC,
+        INTERP,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
 
 
 @triton.jit
@@ -92,55 +134,13 @@ def _tiles(
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
     ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.softcap_slope``). ``S`` / ``T``: each
     head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
-    HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
-    HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
-    raw = logit_tile(
-        HS,
-        WS,
-        BS,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        DS,
-        stride_hsn,
-        stride_hsd,
-        stride_wsv,
-        stride_wsd,
-        stride_bs,
-        HAS_BS,
-        PREC_S,
-        INTERP_S,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    raw = _head_logits(S, offs_n, offs_v, N, V, HAS_BS, PREC_S, INTERP_S, BLOCK_N, BLOCK_V, BLOCK_D)
     c_s, _t = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
     if HAS_CAP_S:  # the chain factor 1 - tanh^2, formed without cancellation (dead code where unused)
         slope_s = softcap_slope(raw, cap_s)
     else:
         slope_s = _t
-    raw = logit_tile(
-        HT,
-        WT,
-        BT,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        DT,
-        stride_htn,
-        stride_htd,
-        stride_wtv,
-        stride_wtd,
-        stride_bt,
-        HAS_BT,
-        PREC_T,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    raw = _head_logits(T, offs_n, offs_v, N, V, HAS_BT, PREC_T, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     z_t, _t = transform(raw, cap_t, temperature, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     if HAS_TEMP:
         z_s = c_s / temperature
@@ -191,6 +191,29 @@ def _log_mix(lt, ls, log_beta, log1m_beta):
     return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
 
 
+@triton.jit
+def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The rows of a row pass's program (pid_n, pid_s): ``(pid_s, offs_n, row_ok, v_lo, v_hi)``, its
+    token tile and its vocab split ``[v_lo, v_hi)`` (a multiple of BLOCK_V wide, the last one cut at V)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    return pid_s, offs_n, offs_n < N, v_lo, tl.minimum(v_lo + v_per_split, V)
+
+
+# The kernels' parameter lists mirror each other (and the plan_* launchers, which build their
+# arguments alike): each names what it reads. On entry each regroups what it shares with the helpers
+# into tuples expanded in the calls, in the helpers' parameter order: ``S`` / ``T`` = each head's
+# (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b), passed whole; ``geo`` =
+# (N, V, cap_s, cap_t, temperature), ``flags`` = (HAS_BS, ..., USE_LIBDEVICE), ``cfg`` = (PREC_S,
+# PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D) for _tiles; in the gradient kernels ``src``
+# = (Targets, LSE, Aux, G, stride_t, stride_ln) and ``coefs`` = (vocab_start, log_beta, ..., DIV,
+# HARD) for _dz_tile, and the product operands ``(X, offs, ok, stride_row, stride_col)`` and ``mm``.
+# As in :mod:`.backward`, the tuples are annotated ``tl.constexpr`` only so that Triton keeps their
+# constexpr members (flags, block sizes, strides specialized to 1) as they are; S and T, unpacked by
+# _head_logits, are plain tuples.
 @triton.jit
 def _distill_stats_kernel(
     HS,
@@ -258,13 +281,10 @@ def _distill_stats_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_ok = offs_n < N
-    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
-    v_lo = pid_s.to(tl.int64) * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     if HARD:
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
 
@@ -279,30 +299,7 @@ def _distill_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
-        c_s, z_s, z_t, _t = _tiles(
-            S,
-            T,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            cap_s,
-            cap_t,
-            temperature,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        c_s, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
         if CROSS == 1:  # forward KL: weighted by the teacher
             m_t, s_t, m_s, s_s, x = _online_pair(m_t, s_t, m_s, s_s, x, z_t, z_s, col_ok)
         elif CROSS == 2:  # reverse KL: by the student
@@ -390,13 +387,10 @@ def _distill_rows_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_ok = offs_n < N
-    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
-    v_lo = pid_s.to(tl.int64) * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
     lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
 
@@ -405,30 +399,7 @@ def _distill_rows_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
-        _c, z_s, z_t, _t = _tiles(
-            S,
-            T,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            cap_s,
-            cap_t,
-            temperature,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        _c, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
         ls = z_s - lse_s[:, None]
         lt = z_t - lse_t[:, None]
         if DIV == 0:
@@ -451,7 +422,7 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _add_product(
+def _add_rows(
     A,
     X,
     offs_x,
@@ -465,13 +436,16 @@ def _add_product(
     D,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
-    ATOMIC: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
-    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
-    (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
-    rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
-    stride) outside ``o_ok`` are neither read nor written."""
+    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time, by load-add-store of
+    rows the calling program owns (the deterministic kernels' update). Rows of ``X`` outside ``x_ok``
+    read 0; rows of ``Out`` (fp32, unit column stride) outside ``o_ok`` are neither read nor written.
+
+    Not :func:`.backward.add_products` with ``ATOMIC=False``: that one folds the loaded rows into the
+    MMA's accumulator, this one forms the product on a zero accumulator and adds it to the loaded rows
+    after it, another fp32 summation order on the GPU. Kept so that the deterministic distillation
+    gradients stay bit for bit what they were."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -483,34 +457,31 @@ def _add_product(
         part = mma(A, x, tl.zeros((A.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
         ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
         msk = o_ok[:, None] & d_ok[None, :]
-        if ATOMIC:
-            tl.atomic_add(ptrs, part, mask=msk, sem="relaxed")
-        else:
-            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
+        tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
 
 
 @triton.jit
 def _dz_tile(
     S,
     T,
-    Targets,
-    LSE,
-    Aux,
-    G,
     offs_n,
     offs_v,
     N,
     V,
-    vocab_start,
     cap_s,
     cap_t,
     temperature,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    stride_t,
+    stride_ln,
+    vocab_start,
     log_beta,
     log1m_beta,
     soft_coef,
     hard_coef,
-    stride_t,
-    stride_ln,
     DIV: tl.constexpr,
     HARD: tl.constexpr,
     HAS_BS: tl.constexpr,
@@ -534,30 +505,10 @@ def _dz_tile(
     col_ok = offs_v < V
     g = tl.load(G + offs_n, mask=row_ok, other=0.0)
     active = row_ok & (g != 0.0)
-    c_s, z_s, z_t, slope_s = _tiles(
-        S,
-        T,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        cap_s,
-        cap_t,
-        temperature,
-        HAS_BS,
-        HAS_BT,
-        HAS_CAP_S,
-        HAS_CAP_T,
-        HAS_TEMP,
-        USE_LIBDEVICE,
-        PREC_S,
-        PREC_T,
-        INTERP_S,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    c_s, z_s, z_t, slope_s = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
     if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
         lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
@@ -664,95 +615,29 @@ def _distill_grads_kernel(
     DH fp32 [N, DS], DW fp32 [V, DS], DB fp32 [V] (where NEED_*), zeroed, unit column stride.
     Other parameters as in :func:`_distill_stats_kernel` / :func:`_distill_rows_kernel`.
     """
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_v
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    row_ok = offs_n < N
     col_ok = offs_v < V
-    dz, active = _dz_tile(
-        S,
-        T,
-        Targets,
-        LSE,
-        Aux,
-        G,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        vocab_start,
-        cap_s,
-        cap_t,
-        temperature,
-        log_beta,
-        log1m_beta,
-        soft_coef,
-        hard_coef,
-        stride_t,
-        stride_ln,
-        DIV,
-        HARD,
-        HAS_BS,
-        HAS_BT,
-        HAS_CAP_S,
-        HAS_CAP_T,
-        HAS_TEMP,
-        USE_LIBDEVICE,
-        PREC_S,
-        PREC_T,
-        INTERP_S,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
     if NEED_DB:
         tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
     dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
     if NEED_DH:
-        _add_product(
-            dzc,
-            WS,
-            offs_v,
-            col_ok,
-            stride_wsv,
-            stride_wsd,
-            DH,
-            offs_n,
-            offs_n < N,
-            stride_dhn,
-            DS,
-            PREC_S,
-            INTERP_S,
-            True,
-            BLOCK_D_OUT,
-        )
+        w: tl.constexpr = (WS, offs_v, col_ok, stride_wsv, stride_wsd)
+        add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, DS, True, *mm)
     if NEED_DW:
-        _add_product(
-            tl.trans(dzc),
-            HS,
-            offs_n,
-            active,
-            stride_hsn,
-            stride_hsd,
-            DW,
-            offs_v,
-            col_ok,
-            stride_dwv,
-            DS,
-            PREC_S,
-            INTERP_S,
-            True,
-            BLOCK_D_OUT,
-        )
+        h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
+        add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
 
 
 @triton.jit
@@ -824,64 +709,19 @@ def _distill_dh_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        dz, _active = _dz_tile(
-            S,
-            T,
-            Targets,
-            LSE,
-            Aux,
-            G,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            vocab_start,
-            cap_s,
-            cap_t,
-            temperature,
-            log_beta,
-            log1m_beta,
-            soft_coef,
-            hard_coef,
-            stride_t,
-            stride_ln,
-            DIV,
-            HARD,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, _active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
         dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
-        _add_product(
-            dzc,
-            WS,
-            offs_v,
-            offs_v < V,
-            stride_wsv,
-            stride_wsd,
-            DH,
-            offs_n,
-            offs_n < N,
-            stride_dhn,
-            DS,
-            PREC_S,
-            INTERP_S,
-            False,
-            BLOCK_D_OUT,
-        )
+        w: tl.constexpr = (WS, offs_v, offs_v < V, stride_wsv, stride_wsd)
+        _add_rows(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, *mm)
 
 
 @triton.jit
@@ -953,69 +793,24 @@ def _distill_dw_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        dz, active = _dz_tile(
-            S,
-            T,
-            Targets,
-            LSE,
-            Aux,
-            G,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            vocab_start,
-            cap_s,
-            cap_t,
-            temperature,
-            log_beta,
-            log1m_beta,
-            soft_coef,
-            hard_coef,
-            stride_t,
-            stride_ln,
-            DIV,
-            HARD,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
         if NEED_DB:
             db += tl.sum(dz, axis=0)
         if NEED_DW:
             dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
-            _add_product(
-                dzt,
-                HS,
-                offs_n,
-                active,
-                stride_hsn,
-                stride_hsd,
-                DW,
-                offs_v,
-                col_ok,
-                stride_dwv,
-                DS,
-                PREC_S,
-                INTERP_S,
-                False,
-                BLOCK_D_OUT,
-            )
+            h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
+            _add_rows(dzt, *h, DW, offs_v, col_ok, stride_dwv, DS, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
