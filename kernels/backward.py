@@ -216,7 +216,7 @@ def swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
 
 
 @triton.jit
-def add_products(
+def _add_products(
     A0,
     X0,
     offs_0,
@@ -363,10 +363,10 @@ def _grads_fused_kernel(
         mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
         if NEED_DH:
             w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
+            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
         if NEED_DW:
             h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-            add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
+            _add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
 
 
 @triton.jit
@@ -475,7 +475,7 @@ def _grads_super_kernel(
         if NEED_DH:
             if keep00 | keep01:
                 a0 = tl.load(slot).to(dzc.dtype)
-                add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
+                _add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
 
         # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
         dz, keep10, act1 = _dz_tile(offs_n1, offs_v0, *src, *scal, *strides, *flags, *cfg)
@@ -490,7 +490,7 @@ def _grads_super_kernel(
         if NEED_DW:
             if keep00 | keep10:
                 a0 = tl.trans(tl.load(slot).to(dzc.dtype))
-                add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
+                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
 
         # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
         dz, keep11, act1 = _dz_tile(offs_n1, offs_v1, *src, *scal, *strides, *flags, *cfg)
@@ -501,11 +501,11 @@ def _grads_super_kernel(
         if NEED_DW:
             if keep01 | keep11:
                 a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
-                add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
+                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
         if NEED_DH:
             if keep10 | keep11:
                 a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
-                add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
+                _add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
@@ -641,7 +641,7 @@ def _grads_dh_kernel(
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
             mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
             w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
+            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
 
 
 # The mirror image of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
@@ -712,7 +712,7 @@ def _grads_dw_kernel(
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
                 mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
                 h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-                add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
+                _add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 

@@ -55,7 +55,7 @@ from ._common import (
     transform,
     use_libdevice,
 )
-from .backward import add_products, swizzle
+from .backward import swizzle
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 _MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(TARGET)
@@ -422,7 +422,7 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _add_rows(
+def _add_product(
     A,
     X,
     offs_x,
@@ -434,18 +434,22 @@ def _add_rows(
     o_ok,
     stride_or,
     D,
+    ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
-    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time, by load-add-store of
-    rows the calling program owns (the deterministic kernels' update). Rows of ``X`` outside ``x_ok``
-    read 0; rows of ``Out`` (fp32, unit column stride) outside ``o_ok`` are neither read nor written.
+    """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
+    (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
+    rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
+    stride) outside ``o_ok`` are neither read nor written. Callers pass ``X`` as a tuple ``(X, offs_x,
+    x_ok, stride_xr, stride_xc)`` and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT), expanded.
 
-    Not :func:`.backward.add_products` with ``ATOMIC=False``: that one folds the loaded rows into the
-    MMA's accumulator, this one forms the product on a zero accumulator and adds it to the loaded rows
-    after it, another fp32 summation order on the GPU. Kept so that the deterministic distillation
-    gradients stay bit for bit what they were."""
+    The operation of :func:`.backward._add_products` with one product, kept apart for what the
+    compiler and the GPU make of it: the load-add-store here adds the product to the loaded rows
+    after the MMA (``_add_products`` accumulates into them: another fp32 summation order, so other
+    deterministic bits), and the atomic update's pointers are formed before its mask (the other
+    order cost the sm_90 forward-KL gradient kernel 7 registers)."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -457,7 +461,10 @@ def _add_rows(
         part = mma(A, x, tl.zeros((A.shape[0], BLOCK_D_OUT), dtype=tl.float32), DOT_PRECISION, INTERP_BF16)
         ptrs = Out + offs_o[:, None] * stride_or + (d0 + offs_do)[None, :]
         msk = o_ok[:, None] & d_ok[None, :]
-        tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
+        if ATOMIC:
+            tl.atomic_add(ptrs, part, mask=msk, sem="relaxed")
+        else:
+            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + part, mask=msk)
 
 
 @triton.jit
@@ -626,7 +633,6 @@ def _distill_grads_kernel(
     mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-    row_ok = offs_n < N
     col_ok = offs_v < V
     dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
     if NEED_DB:
@@ -634,10 +640,10 @@ def _distill_grads_kernel(
     dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
     if NEED_DH:
         w: tl.constexpr = (WS, offs_v, col_ok, stride_wsv, stride_wsd)
-        add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, DS, True, *mm)
+        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, True, *mm)
     if NEED_DW:
         h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
-        add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
+        _add_product(tl.trans(dzc), *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
 
 
 @triton.jit
@@ -721,7 +727,7 @@ def _distill_dh_kernel(
         dz, _active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
         dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
         w: tl.constexpr = (WS, offs_v, offs_v < V, stride_wsv, stride_wsd)
-        _add_rows(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, *mm)
+        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, False, *mm)
 
 
 @triton.jit
@@ -810,7 +816,7 @@ def _distill_dw_kernel(
         if NEED_DW:
             dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
             h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
-            _add_rows(dzt, *h, DW, offs_v, col_ok, stride_dwv, DS, *mm)
+            _add_product(dzt, *h, DW, offs_v, col_ok, stride_dwv, DS, False, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
@@ -868,8 +874,9 @@ class _Launch:
             self.cfg = distill_config(props, wide, tf32, deterministic)
         self.props = props
         self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
-        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0)
-        self.temperature = float(temperature) if has_temp else 1.0
+        self.sizes = (self.n, self.v, self.ds, self.dt)
+        temp = float(temperature) if has_temp else 1.0
+        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0, temp)
         self.strides = (
             hs.stride(0),
             hs.stride(1),
@@ -927,12 +934,20 @@ def _check(hs, ws, bs, ht, wt, bt, rows_like, softcap) -> None:
         raise ValueError(f"softcap must be a pair (student, teacher), got {softcap!r}")
 
 
+def _log_mix_weights(beta) -> tuple[float, float]:
+    """``(log beta, log(1 - beta))``, the JSD mixture's weights as the kernels take them."""
+    return math.log(beta), math.log1p(-beta)
+
+
 def _cross_flag(cross) -> int:
     if cross not in (None, "kl", "reverse_kl"):
         raise ValueError(f"cross must be None, 'kl' or 'reverse_kl', got {cross!r}")
     return {None: 0, "kl": 1, "reverse_kl": 2}[cross]
 
 
+# Each plan_* takes its launcher's arguments (stats, rows, grads; plus the device record and the TF32
+# switch that a launch reads from the device and torch), and the launcher passes them on: the
+# signatures mirror each other, as do the kernels' argument tuples built here.
 def plan_stats(
     hs,
     ws,
@@ -960,23 +975,8 @@ def plan_stats(
     k = 3 if hard else 2
     splits = ln.splits(_splits)
     out = torch.zeros(splits, k, ln.n, NUM_STATS, dtype=torch.float32, device=hs.device)
-    args = (
-        *ln.tensors,
-        targets,
-        out,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        int(vocab_start),
-        *ln.scalars,
-        ln.temperature,
-        *ln.strides,
-        targets.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-    )
+    args = (*ln.tensors, targets, out, *ln.sizes, int(vocab_start), *ln.scalars, *ln.strides, targets.stride(0))
+    args += out.stride()[:3]
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(HARD=bool(hard), CROSS=_cross_flag(cross), **ln.flags, **ln.options)
     return (_distill_stats_kernel, grid, args, kwargs), out
@@ -1008,23 +1008,8 @@ def plan_rows(
     jsd = divergence == "jsd"
     splits = ln.splits(_splits)
     out = torch.empty(splits, ln.n, 2 if jsd else 1, dtype=torch.float32, device=hs.device)
-    args = (
-        *ln.tensors,
-        lse,
-        out,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        *ln.scalars,
-        ln.temperature,
-        math.log(beta),
-        math.log1p(-beta),
-        *ln.strides,
-        lse.stride(0),
-        out.stride(0),
-        out.stride(1),
-    )
+    args = (*ln.tensors, lse, out, *ln.sizes, *ln.scalars, *_log_mix_weights(beta), *ln.strides, lse.stride(0))
+    args += out.stride()[:2]
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(DIV=DIVERGENCES.index(divergence), **ln.flags, **ln.options)
     return (_distill_rows_kernel, grid, args, kwargs), out
@@ -1071,33 +1056,10 @@ def plan_grads(
     if ln.n == 0 or ln.v == 0 or not (need_hidden or need_weight or need_bias):
         return dh, dw, db, []
     c = ln.cfg
-    dummy = g  # never dereferenced: the matching NEED_* flag is False
-    args = (
-        *ln.tensors,
-        targets,
-        lse,
-        aux,
-        g,
-        dh if dh is not None else dummy,
-        dw if dw is not None else dummy,
-        db if db is not None else dummy,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        int(vocab_start),
-        *ln.scalars,
-        ln.temperature,
-        math.log(beta),
-        math.log1p(-beta),
-        float(soft_coef),
-        float(hard_coef),
-        *ln.strides,
-        targets.stride(0),
-        lse.stride(0),
-        dh.stride(0) if dh is not None else 0,
-        dw.stride(0) if dw is not None else 0,
-    )
+    outs = tuple(x if x is not None else g for x in (dh, dw, db))  # g: never dereferenced (NEED_* False)
+    coefs = (*_log_mix_weights(beta), float(soft_coef), float(hard_coef))
+    args = (*ln.tensors, targets, lse, aux, g, *outs, *ln.sizes, int(vocab_start), *ln.scalars, *coefs, *ln.strides)
+    args += (targets.stride(0), lse.stride(0), *(x.stride(0) if x is not None else 0 for x in (dh, dw)))
     kwargs = dict(
         DIV=DIVERGENCES.index(divergence),
         HARD=lse.shape[1] > 2 and float(hard_coef) != 0.0,
@@ -1144,15 +1106,11 @@ def stats(
     if n == 0 or v == 0:
         empty = torch.stack([empty_stats(n, hs.device)] * k)
         return empty, (empty[None, :2] if cross is not None else None)
-    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, targets, softcap)
     targets = targets.to(torch.int64)
     (kernel, grid, args, kwargs), out = plan_stats(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         targets,
         vocab_start=vocab_start,
         softcap=softcap,
@@ -1194,14 +1152,10 @@ def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature,
     if n == 0 or v == 0:
         return torch.zeros(n, width, dtype=torch.float32, device=hs.device)
     lse = lse.to(torch.float32).contiguous()  # the kernel reads its columns at unit stride
-    _check(hs, ws, bs, ht, wt, bt, lse[:, 0], softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, lse[:, 0], softcap)
     (kernel, grid, args, kwargs), out = plan_rows(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         lse,
         divergence=divergence,
         beta=beta,
@@ -1251,15 +1205,11 @@ def grads(
     axis in order: bitwise repeatable, one more recompute of both heads' tiles).
     Other arguments as in :func:`stats`.
     """
-    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, targets, softcap)
     targets = targets.to(torch.int64)
     dh, dw, db, launches = plan_grads(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         targets,
         lse.to(torch.float32).contiguous(),
         aux.to(torch.float32).contiguous(),
