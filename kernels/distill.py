@@ -329,6 +329,7 @@ def _distill_stats_kernel(
         tl.store(out + 2 * stride_ok + _TARGET, x_1, mask=row_ok)
 
 
+# Its parameter list mirrors _distill_stats_kernel's (plan_rows builds both alike; see the comment above).
 @triton.jit
 def _distill_rows_kernel(
     HS,
@@ -545,6 +546,8 @@ def _dz_tile(
     return tl.where(active[:, None] & col_ok[None, :], dz, 0.0), active
 
 
+# The three gradient kernels take one parameter list: plan_grads passes one argument list to the fused
+# kernel or to both deterministic kernels, each reading what it needs.
 @triton.jit
 def _distill_grads_kernel(
     HS,
@@ -646,6 +649,7 @@ def _distill_grads_kernel(
         _add_product(tl.trans(dzc), *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
 
 
+# Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
 @triton.jit
 def _distill_dh_kernel(
     HS,
@@ -730,6 +734,7 @@ def _distill_dh_kernel(
         _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, False, *mm)
 
 
+# Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
 @triton.jit
 def _distill_dw_kernel(
     HS,
