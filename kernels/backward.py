@@ -204,7 +204,7 @@ def _dz_tile(
 
 
 @triton.jit
-def _swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
+def swizzle(pid, num_n, num_v, GROUP_N: tl.constexpr):
     """``(pid_n, pid_v)`` of work item ``pid`` on a ``num_n x num_v`` grid walked in grouped order:
     ``GROUP_N`` token tiles take the vocab tiles together, so a W tile is reused from L2 by the
     group (as in the Triton matmul tutorial)."""
@@ -343,7 +343,7 @@ def _grads_fused_kernel(
         NEED_DB); all zero-initialised by the caller, contiguous along D.
     filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
     """
-    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
     scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
@@ -450,7 +450,7 @@ def _grads_super_kernel(
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for st in range(pid, num_sn * num_sv, nprog):
-        sn, sv = _swizzle(st, num_sn, num_sv, GROUP_N)
+        sn, sv = swizzle(st, num_sn, num_sv, GROUP_N)
         offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         offs_n1 = offs_n0 + BLOCK_N
         offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -568,7 +568,7 @@ def _dz_store_kernel(
     strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
     flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
     cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
-    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)

@@ -54,12 +54,54 @@ from ._common import (
     transform,
     use_libdevice,
 )
+from .backward import swizzle
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 _MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(TARGET)
 #: Column of block 0 of the statistics kernel's split slabs that holds the KL cross sum (the slot of the unused SUM).
 CROSS_COL = SUM
 _CROSS = tl.constexpr(CROSS_COL)
+
+
+@triton.jit
+def _head_logits(
+    X,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One head's raw logit tile (:func:`._common.logit_tile`); ``X`` = the head's ``(H, W, Bias, D,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
+    H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b = X
+    # The arguments mirror logit_tile's signature (as in the forward and backward kernels).
+    return logit_tile(
+        H,
+        W,
+        Bias,
+        offs_n,
+        offs_v,
+        N,
+        V,
+        D,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        stride_b,
+        HAS_BIAS,
+        PREC,
+        INTERP,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
 
 
 @triton.jit
@@ -91,51 +133,9 @@ def _tiles(
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
     ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.tanh_and_slope``).
     ``S`` / ``T``: each head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
-    HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs = S
-    HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt = T
-    raw = logit_tile(
-        HS,
-        WS,
-        BS,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        DS,
-        stride_hsn,
-        stride_hsd,
-        stride_wsv,
-        stride_wsd,
-        stride_bs,
-        HAS_BS,
-        PREC_S,
-        INTERP_S,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    raw = _head_logits(S, offs_n, offs_v, N, V, HAS_BS, PREC_S, INTERP_S, BLOCK_N, BLOCK_V, BLOCK_D)
     c_s, slope_s = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
-    raw = logit_tile(
-        HT,
-        WT,
-        BT,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        DT,
-        stride_htn,
-        stride_htd,
-        stride_wtv,
-        stride_wtd,
-        stride_bt,
-        HAS_BT,
-        PREC_T,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    raw = _head_logits(T, offs_n, offs_v, N, V, HAS_BT, PREC_T, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     z_t, _t = transform(raw, cap_t, temperature, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     if HAS_TEMP:
         z_s = c_s / temperature
@@ -186,6 +186,29 @@ def _log_mix(lt, ls, log_beta, log1m_beta):
     return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
 
 
+@triton.jit
+def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The rows of a row pass's program (pid_n, pid_s): ``(pid_s, offs_n, row_ok, v_lo, v_hi)``, its
+    token tile and its vocab split ``[v_lo, v_hi)`` (a multiple of BLOCK_V wide, the last one cut at V)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    return pid_s, offs_n, offs_n < N, v_lo, tl.minimum(v_lo + v_per_split, V)
+
+
+# The kernels' parameter lists mirror each other (and the plan_* launchers, which build their
+# arguments alike): each names what it reads. On entry each regroups what it shares with the helpers
+# into tuples expanded in the calls, in the helpers' parameter order: ``S`` / ``T`` = each head's
+# (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b), passed whole; ``geo`` =
+# (N, V, cap_s, cap_t, temperature), ``flags`` = (HAS_BS, ..., USE_LIBDEVICE), ``cfg`` = (PREC_S,
+# PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D) for _tiles; in the gradient kernels ``src``
+# = (Targets, LSE, Aux, G, stride_t, stride_ln) and ``coefs`` = (vocab_start, log_beta, ..., DIV,
+# HARD) for _dz_tile, and the product operands ``(X, offs, ok, stride_row, stride_col)`` and ``mm``.
+# As in :mod:`.backward`, the tuples are annotated ``tl.constexpr`` only so that Triton keeps their
+# constexpr members (flags, block sizes, strides specialized to 1) as they are; S and T, unpacked by
+# _head_logits, are plain tuples.
 @triton.jit
 def _distill_stats_kernel(
     HS,
@@ -253,13 +276,10 @@ def _distill_stats_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_ok = offs_n < N
-    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
-    v_lo = pid_s.to(tl.int64) * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     if HARD:
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
 
@@ -274,30 +294,7 @@ def _distill_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
-        c_s, z_s, z_t, _t = _tiles(
-            S,
-            T,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            cap_s,
-            cap_t,
-            temperature,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        c_s, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
         if CROSS == 1:  # forward KL: weighted by the teacher
             m_t, s_t, m_s, s_s, x = _online_pair(m_t, s_t, m_s, s_s, x, z_t, z_s, col_ok)
         elif CROSS == 2:  # reverse KL: by the student
@@ -327,6 +324,7 @@ def _distill_stats_kernel(
         tl.store(out + 2 * stride_ok + _TARGET, x_1, mask=row_ok)
 
 
+# Its parameter list mirrors _distill_stats_kernel's (plan_rows builds both alike; see the comment above).
 @triton.jit
 def _distill_rows_kernel(
     HS,
@@ -385,13 +383,10 @@ def _distill_rows_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_ok = offs_n < N
-    v_per_split = tl.cdiv(tl.cdiv(V, tl.num_programs(1)), BLOCK_V) * BLOCK_V
-    v_lo = pid_s.to(tl.int64) * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
     lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
 
@@ -400,30 +395,7 @@ def _distill_rows_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
-        _c, z_s, z_t, _t = _tiles(
-            S,
-            T,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            cap_s,
-            cap_t,
-            temperature,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        _c, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
         ls = z_s - lse_s[:, None]
         lt = z_t - lse_t[:, None]
         if DIV == 0:
@@ -458,15 +430,22 @@ def _add_product(
     o_ok,
     stride_or,
     D,
+    ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
-    ATOMIC: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
 ):
     """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
     (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
     rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
-    stride) outside ``o_ok`` are neither read nor written."""
+    stride) outside ``o_ok`` are neither read nor written. Callers pass ``X`` as a tuple ``(X, offs_x,
+    x_ok, stride_xr, stride_xc)`` and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT), expanded.
+
+    The operation of :func:`.backward._add_products` with one product, kept apart for what the
+    compiler and the GPU make of it: the load-add-store here adds the product to the loaded rows
+    after the MMA (``_add_products`` accumulates into them: another fp32 summation order, so other
+    deterministic bits), and the atomic update's pointers are formed before its mask (the other
+    order cost the sm_90 forward-KL gradient kernel 7 registers)."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -488,24 +467,24 @@ def _add_product(
 def _dz_tile(
     S,
     T,
-    Targets,
-    LSE,
-    Aux,
-    G,
     offs_n,
     offs_v,
     N,
     V,
-    vocab_start,
     cap_s,
     cap_t,
     temperature,
+    Targets,
+    LSE,
+    Aux,
+    G,
+    stride_t,
+    stride_ln,
+    vocab_start,
     log_beta,
     log1m_beta,
     soft_coef,
     hard_coef,
-    stride_t,
-    stride_ln,
     DIV: tl.constexpr,
     HARD: tl.constexpr,
     HAS_BS: tl.constexpr,
@@ -529,30 +508,10 @@ def _dz_tile(
     col_ok = offs_v < V
     g = tl.load(G + offs_n, mask=row_ok, other=0.0)
     active = row_ok & (g != 0.0)
-    c_s, z_s, z_t, slope_s = _tiles(
-        S,
-        T,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        cap_s,
-        cap_t,
-        temperature,
-        HAS_BS,
-        HAS_BT,
-        HAS_CAP_S,
-        HAS_CAP_T,
-        HAS_TEMP,
-        USE_LIBDEVICE,
-        PREC_S,
-        PREC_T,
-        INTERP_S,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    c_s, z_s, z_t, slope_s = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
     if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
         lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
@@ -582,6 +541,8 @@ def _dz_tile(
     return tl.where(active[:, None] & col_ok[None, :], dz, 0.0), active
 
 
+# The three gradient kernels take one parameter list: plan_grads passes one argument list to the fused
+# kernel or to both deterministic kernels, each reading what it needs.
 @triton.jit
 def _distill_grads_kernel(
     HS,
@@ -659,97 +620,31 @@ def _distill_grads_kernel(
     DH fp32 [N, DS], DW fp32 [V, DS], DB fp32 [V] (where NEED_*), zeroed, unit column stride.
     Other parameters as in :func:`_distill_stats_kernel` / :func:`_distill_rows_kernel`.
     """
+    pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_v
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
-    dz, active = _dz_tile(
-        S,
-        T,
-        Targets,
-        LSE,
-        Aux,
-        G,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        vocab_start,
-        cap_s,
-        cap_t,
-        temperature,
-        log_beta,
-        log1m_beta,
-        soft_coef,
-        hard_coef,
-        stride_t,
-        stride_ln,
-        DIV,
-        HARD,
-        HAS_BS,
-        HAS_BT,
-        HAS_CAP_S,
-        HAS_CAP_T,
-        HAS_TEMP,
-        USE_LIBDEVICE,
-        PREC_S,
-        PREC_T,
-        INTERP_S,
-        INTERP_T,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
     if NEED_DB:
         tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
     dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
     if NEED_DH:
-        _add_product(
-            dzc,
-            WS,
-            offs_v,
-            col_ok,
-            stride_wsv,
-            stride_wsd,
-            DH,
-            offs_n,
-            offs_n < N,
-            stride_dhn,
-            DS,
-            PREC_S,
-            INTERP_S,
-            True,
-            BLOCK_D_OUT,
-        )
+        w: tl.constexpr = (WS, offs_v, col_ok, stride_wsv, stride_wsd)
+        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, True, *mm)
     if NEED_DW:
-        _add_product(
-            tl.trans(dzc),
-            HS,
-            offs_n,
-            active,
-            stride_hsn,
-            stride_hsd,
-            DW,
-            offs_v,
-            col_ok,
-            stride_dwv,
-            DS,
-            PREC_S,
-            INTERP_S,
-            True,
-            BLOCK_D_OUT,
-        )
+        h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
+        _add_product(tl.trans(dzc), *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
 
 
+# Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
 @triton.jit
 def _distill_dh_kernel(
     HS,
@@ -819,66 +714,22 @@ def _distill_dh_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        dz, _active = _dz_tile(
-            S,
-            T,
-            Targets,
-            LSE,
-            Aux,
-            G,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            vocab_start,
-            cap_s,
-            cap_t,
-            temperature,
-            log_beta,
-            log1m_beta,
-            soft_coef,
-            hard_coef,
-            stride_t,
-            stride_ln,
-            DIV,
-            HARD,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, _active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
         dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
-        _add_product(
-            dzc,
-            WS,
-            offs_v,
-            offs_v < V,
-            stride_wsv,
-            stride_wsd,
-            DH,
-            offs_n,
-            offs_n < N,
-            stride_dhn,
-            DS,
-            PREC_S,
-            INTERP_S,
-            False,
-            BLOCK_D_OUT,
-        )
+        w: tl.constexpr = (WS, offs_v, offs_v < V, stride_wsv, stride_wsd)
+        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, False, *mm)
 
 
+# Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
 @triton.jit
 def _distill_dw_kernel(
     HS,
@@ -948,69 +799,24 @@ def _distill_dw_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
+    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
+    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
+    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
+    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        dz, active = _dz_tile(
-            S,
-            T,
-            Targets,
-            LSE,
-            Aux,
-            G,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            vocab_start,
-            cap_s,
-            cap_t,
-            temperature,
-            log_beta,
-            log1m_beta,
-            soft_coef,
-            hard_coef,
-            stride_t,
-            stride_ln,
-            DIV,
-            HARD,
-            HAS_BS,
-            HAS_BT,
-            HAS_CAP_S,
-            HAS_CAP_T,
-            HAS_TEMP,
-            USE_LIBDEVICE,
-            PREC_S,
-            PREC_T,
-            INTERP_S,
-            INTERP_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
         if NEED_DB:
             db += tl.sum(dz, axis=0)
         if NEED_DW:
             dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
-            _add_product(
-                dzt,
-                HS,
-                offs_n,
-                active,
-                stride_hsn,
-                stride_hsd,
-                DW,
-                offs_v,
-                col_ok,
-                stride_dwv,
-                DS,
-                PREC_S,
-                INTERP_S,
-                False,
-                BLOCK_D_OUT,
-            )
+            h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
+            _add_product(dzt, *h, DW, offs_v, col_ok, stride_dwv, DS, False, *mm)
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
@@ -1068,8 +874,9 @@ class _Launch:
             self.cfg = distill_config(props, wide, tf32, deterministic)
         self.props = props
         self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
-        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0)
-        self.temperature = float(temperature) if has_temp else 1.0
+        self.sizes = (self.n, self.v, self.ds, self.dt)
+        temp = float(temperature) if has_temp else 1.0
+        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0, temp)
         self.strides = (
             hs.stride(0),
             hs.stride(1),
@@ -1127,12 +934,20 @@ def _check(hs, ws, bs, ht, wt, bt, rows_like, softcap) -> None:
         raise ValueError(f"softcap must be a pair (student, teacher), got {softcap!r}")
 
 
+def _log_mix_weights(beta) -> tuple[float, float]:
+    """``(log beta, log(1 - beta))``, the JSD mixture's weights as the kernels take them."""
+    return math.log(beta), math.log1p(-beta)
+
+
 def _cross_flag(cross) -> int:
     if cross not in (None, "kl", "reverse_kl"):
         raise ValueError(f"cross must be None, 'kl' or 'reverse_kl', got {cross!r}")
     return {None: 0, "kl": 1, "reverse_kl": 2}[cross]
 
 
+# Each plan_* takes its launcher's arguments (stats, rows, grads; plus the device record and the TF32
+# switch that a launch reads from the device and torch), and the launcher passes them on: the
+# signatures mirror each other, as do the kernels' argument tuples built here.
 def plan_stats(
     hs,
     ws,
@@ -1160,23 +975,8 @@ def plan_stats(
     k = 3 if hard else 2
     splits = ln.splits(_splits)
     out = torch.zeros(splits, k, ln.n, NUM_STATS, dtype=torch.float32, device=hs.device)
-    args = (
-        *ln.tensors,
-        targets,
-        out,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        int(vocab_start),
-        *ln.scalars,
-        ln.temperature,
-        *ln.strides,
-        targets.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-    )
+    args = (*ln.tensors, targets, out, *ln.sizes, int(vocab_start), *ln.scalars, *ln.strides, targets.stride(0))
+    args += out.stride()[:3]
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(HARD=bool(hard), CROSS=_cross_flag(cross), **ln.flags, **ln.options)
     return (_distill_stats_kernel, grid, args, kwargs), out
@@ -1208,23 +1008,8 @@ def plan_rows(
     jsd = divergence == "jsd"
     splits = ln.splits(_splits)
     out = torch.empty(splits, ln.n, 2 if jsd else 1, dtype=torch.float32, device=hs.device)
-    args = (
-        *ln.tensors,
-        lse,
-        out,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        *ln.scalars,
-        ln.temperature,
-        math.log(beta),
-        math.log1p(-beta),
-        *ln.strides,
-        lse.stride(0),
-        out.stride(0),
-        out.stride(1),
-    )
+    args = (*ln.tensors, lse, out, *ln.sizes, *ln.scalars, *_log_mix_weights(beta), *ln.strides, lse.stride(0))
+    args += out.stride()[:2]
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(DIV=DIVERGENCES.index(divergence), **ln.flags, **ln.options)
     return (_distill_rows_kernel, grid, args, kwargs), out
@@ -1271,33 +1056,10 @@ def plan_grads(
     if ln.n == 0 or ln.v == 0 or not (need_hidden or need_weight or need_bias):
         return dh, dw, db, []
     c = ln.cfg
-    dummy = g  # never dereferenced: the matching NEED_* flag is False
-    args = (
-        *ln.tensors,
-        targets,
-        lse,
-        aux,
-        g,
-        dh if dh is not None else dummy,
-        dw if dw is not None else dummy,
-        db if db is not None else dummy,
-        ln.n,
-        ln.v,
-        ln.ds,
-        ln.dt,
-        int(vocab_start),
-        *ln.scalars,
-        ln.temperature,
-        math.log(beta),
-        math.log1p(-beta),
-        float(soft_coef),
-        float(hard_coef),
-        *ln.strides,
-        targets.stride(0),
-        lse.stride(0),
-        dh.stride(0) if dh is not None else 0,
-        dw.stride(0) if dw is not None else 0,
-    )
+    outs = tuple(x if x is not None else g for x in (dh, dw, db))  # g: never dereferenced (NEED_* False)
+    coefs = (*_log_mix_weights(beta), float(soft_coef), float(hard_coef))
+    args = (*ln.tensors, targets, lse, aux, g, *outs, *ln.sizes, int(vocab_start), *ln.scalars, *coefs, *ln.strides)
+    args += (targets.stride(0), lse.stride(0), *(x.stride(0) if x is not None else 0 for x in (dh, dw)))
     kwargs = dict(
         DIV=DIVERGENCES.index(divergence),
         HARD=lse.shape[1] > 2 and float(hard_coef) != 0.0,
@@ -1344,15 +1106,11 @@ def stats(
     if n == 0 or v == 0:
         empty = torch.stack([empty_stats(n, hs.device)] * k)
         return empty, (empty[None, :2] if cross is not None else None)
-    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, targets, softcap)
     targets = targets.to(torch.int64)
     (kernel, grid, args, kwargs), out = plan_stats(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         targets,
         vocab_start=vocab_start,
         softcap=softcap,
@@ -1394,14 +1152,10 @@ def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature,
     if n == 0 or v == 0:
         return torch.zeros(n, width, dtype=torch.float32, device=hs.device)
     lse = lse.to(torch.float32).contiguous()  # the kernel reads its columns at unit stride
-    _check(hs, ws, bs, ht, wt, bt, lse[:, 0], softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, lse[:, 0], softcap)
     (kernel, grid, args, kwargs), out = plan_rows(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         lse,
         divergence=divergence,
         beta=beta,
@@ -1451,15 +1205,11 @@ def grads(
     axis in order: bitwise repeatable, one more recompute of both heads' tiles).
     Other arguments as in :func:`stats`.
     """
-    _check(hs, ws, bs, ht, wt, bt, targets, softcap)
+    heads = (hs, ws, bs, ht, wt, bt)
+    _check(*heads, targets, softcap)
     targets = targets.to(torch.int64)
     dh, dw, db, launches = plan_grads(
-        hs,
-        ws,
-        bs,
-        ht,
-        wt,
-        bt,
+        *heads,
         targets,
         lse.to(torch.float32).contiguous(),
         aux.to(torch.float32).contiguous(),
