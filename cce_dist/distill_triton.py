@@ -75,6 +75,7 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     )
 
 
+# forward and grads mirror distill_torch's signatures: distill_autograd calls either module the same way.
 def forward(
     heads: Heads,
     step: int,
