@@ -122,8 +122,9 @@ def grad_report(got: torch.Tensor, want: torch.Tensor, tol: float, exact) -> str
     return f"{r}; float64 error {err_got:.3g} > 2x the same-dtype oracle's {err_want:.3g}"
 
 
-def exact_grads(oracle, outs_needed, inputs, need, ups, **kw):
-    """Lazily the float64 oracle's gradients w.r.t. ``inputs`` (h, w, b): index -> tensor."""
+def exact_grads(oracle, outs_needed, inputs, need, ups):
+    """Lazily the gradients of ``oracle(h, w, b, dtype=float64)`` w.r.t. float64 copies of ``inputs`` (h, w, b)
+    (the first ``outs_needed`` outputs, upstream ``ups``): index -> tensor."""
     cache = {}
 
     def get(i: int) -> torch.Tensor:
@@ -264,20 +265,24 @@ def check_cross_entropy(data, impl: str, small: bool):
     else:
         out = linear_cross_entropy(h1, w1, t, bias=b1, **kw)
     cd = _compute_dtype(h, w)
-    ref = oracle_cross_entropy(
-        h2,
-        w2,
-        t,
-        b2,
-        ignore_index=m["ignore_index"],
-        reduction=reduction,
-        label_smoothing=eps,
-        z_loss=zl,
-        softcap=softcap,
-        shift=shift,
-        dtype=cd,
-        return_lse=True,
-    )
+
+    def oracle(h_, w_, b_, dtype):
+        return oracle_cross_entropy(
+            h_,
+            w_,
+            t,
+            b_,
+            ignore_index=m["ignore_index"],
+            reduction=reduction,
+            label_smoothing=eps,
+            z_loss=zl,
+            softcap=softcap,
+            shift=shift,
+            dtype=dtype,
+            return_lse=True,
+        )
+
+    ref = oracle(h2, w2, b2, cd)
     loss, lse = out if ret_lse else (out, None)
     rloss, rlse = ref
     fails = []
@@ -312,26 +317,7 @@ def check_cross_entropy(data, impl: str, small: bool):
     if any(o.requires_grad for o in refs):
         got = backward_grads(outs, (h1, w1, b1), ups)
         want = backward_grads(refs, (h2, w2, b2), ups)
-        exact = exact_grads(
-            lambda h_, w_, b_, dtype: oracle_cross_entropy(
-                h_,
-                w_,
-                t,
-                b_,
-                ignore_index=m["ignore_index"],
-                reduction=reduction,
-                label_smoothing=eps,
-                z_loss=zl,
-                softcap=softcap,
-                shift=shift,
-                dtype=dtype,
-                return_lse=True,
-            ),
-            len(outs),
-            (h, w, b),
-            m["need"],
-            ups,
-        )
+        exact = exact_grads(oracle, len(outs), (h, w, b), m["need"], ups)
         for i, (name, x, y, src) in enumerate(zip("hwb", got, want, (h, w, b))):
             if y is None:
                 if x is not None:
@@ -383,18 +369,22 @@ def check_logprobs(data, impl: str, small: bool):
     h2, w2, b2 = leaves(h, w, b, need=m["need"])
     out = linear_logprobs(h1, w1, t, bias=b1, **kw)
     cd = _compute_dtype(h, w)
-    rlp, rent = oracle_logprobs(
-        h2,
-        w2,
-        t,
-        b2,
-        ignore_index=m["ignore_index"],
-        softcap=softcap,
-        temperature=temp,
-        shift=shift,
-        dtype=cd,
-        return_entropy=True,
-    )
+
+    def oracle(h_, w_, b_, dtype):
+        return oracle_logprobs(
+            h_,
+            w_,
+            t,
+            b_,
+            ignore_index=m["ignore_index"],
+            softcap=softcap,
+            temperature=temp,
+            shift=shift,
+            dtype=dtype,
+            return_entropy=True,
+        )
+
+    rlp, rent = oracle(h2, w2, b2, cd)
     lp, ent = out if ret_ent else (out, None)
     fails = []
     zmax = _logit_bound(h, w.to(cd), None if b is None else b.to(cd))
@@ -419,24 +409,7 @@ def check_logprobs(data, impl: str, small: bool):
     if any(o.requires_grad for o in refs):
         got = backward_grads(outs, (h1, w1, b1), ups)
         want = backward_grads(refs, (h2, w2, b2), ups)
-        exact = exact_grads(
-            lambda h_, w_, b_, dtype: oracle_logprobs(
-                h_,
-                w_,
-                t,
-                b_,
-                ignore_index=m["ignore_index"],
-                softcap=softcap,
-                temperature=temp,
-                shift=shift,
-                dtype=dtype,
-                return_entropy=True,
-            ),
-            len(outs),
-            (h, w, b),
-            m["need"],
-            ups,
-        )
+        exact = exact_grads(oracle, len(outs), (h, w, b), m["need"], ups)
         for i, (name, x, y, src) in enumerate(zip("hwb", got, want, (h, w, b))):
             if y is None:
                 continue
