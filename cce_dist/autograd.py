@@ -134,18 +134,18 @@ def finish_grads(comm: Comm, dh, dw, db, hidden_dtype: torch.dtype, weight, bias
 
 
 def _save(ctx, plan: Plan, opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
-    """Save ``(h, weight, bias, targets, row tensor, valid)`` and the call's plan, options and hidden dtype."""
+    """Save ``(h, weight, bias, targets, valid, *row tensors)`` and the call's plan, options and hidden dtype."""
     ctx.save_for_backward(*tensors)
     ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden_dtype
 
 
 def _saved(ctx):
-    """``(plan, opts, (h, weight, bias, targets), row tensor, valid)`` as :func:`_save` left them, after refusing a
-    second-order backward. ``ctx.saved_tensors`` is read once (non-reentrant checkpointing unpacks each saved
+    """``(plan, opts, (h, weight, bias, targets), valid, (row tensors))`` as :func:`_save` left them, after refusing
+    a second-order backward. ``ctx.saved_tensors`` is read once (non-reentrant checkpointing unpacks each saved
     tensor only once)."""
     refuse_second_order()
     saved = ctx.saved_tensors
-    return ctx.plan, ctx.opts, saved[:4], saved[4], saved[5]
+    return ctx.plan, ctx.opts, saved[:4], saved[4], saved[5:]
 
 
 class CrossEntropyRows(torch.autograd.Function):
@@ -159,12 +159,13 @@ class CrossEntropyRows(torch.autograd.Function):
             loss, lse = formulas.cross_entropy_rows(
                 stats, valid, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
             )
-        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, lse, valid)
+            residual = formulas.lse_residual(stats)
+        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
         return loss, lse
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
-        plan, opts, saved, lse, valid = _saved(ctx)
+        plan, opts, saved, valid, (lse, residual) = _saved(ctx)
         coef = formulas.cross_entropy_coef(
             lse,
             valid,
@@ -173,6 +174,7 @@ class CrossEntropyRows(torch.autograd.Function):
             label_smoothing=opts.label_smoothing,
             z_loss=opts.z_loss,
             vocab_size=plan.vocab_size,
+            residual=residual,
         )
         return _backward_grads(ctx, plan, saved, coef, lse, opts.softcap, 1.0) + (None, None, None)
 
@@ -186,12 +188,12 @@ class LogprobRows(torch.autograd.Function):
             h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, opts.temperature)
             valid = targets != opts.ignore_index
             lp, ent = formulas.logprob_rows(stats, valid)
-        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, stats, valid)
+        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, stats)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        plan, opts, saved, stats, valid = _saved(ctx)
+        plan, opts, saved, valid, (stats,) = _saved(ctx)
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
         return _backward_grads(ctx, plan, saved, coef, S.lse(stats), opts.softcap, opts.temperature) + (
             None,
@@ -240,7 +242,9 @@ class FusedCrossEntropy(torch.autograd.Function):
                 targets,
                 valid,
                 scale * unit,
-                coef_fn=lambda lse, v: formulas.cross_entropy_coef(lse, v, ones.expand_as(lse), None, **kw),
+                coef_fn=lambda lse, v: formulas.cross_entropy_coef(
+                    lse, v, ones.expand_as(lse), None, residual=None, **kw
+                ),
                 rows_fn=lambda st, v: formulas.cross_entropy_rows(st, v, **kw),
                 vocab_start=plan.vocab_start,
                 softcap=opts.softcap,

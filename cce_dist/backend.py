@@ -19,7 +19,7 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
 ``grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
         need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False)
         -> (d_hidden, d_weight, d_bias)``
-    lse     ``float32 [N]`` the *global* log-sum-exp of each row (all shards)
+    lse     ``float32 [N]`` the *global* log-sum-exp of each row (all shards), as float32 rounds it
     coef    ``float32 [N, NUM_COEFS]`` per-row coefficients (below); an all-zero row contributes 0
     returns float32 tensors ``[N, D]``, ``[V_local, D]``, ``[V_local]`` (None where not needed);
     ``d_hidden`` is this shard's *partial* sum over its vocab rows.
@@ -51,6 +51,10 @@ The coefficients for each output form (``g`` = upstream gradient of that output 
 - logprob ``z_t - lse``: ALPHA = -g, BETA = 0
 - entropy ``H = lse - E_p[z]``: ALPHA -= g_ent * H, BETA -= g_ent * H, DELTA = -g_ent
   (d H / d z_j = -p_j * (z_j - lse + H))
+
+The float32 ``lse`` is rounded at ulp(|lse|), which at large logits is far above a confident row's ``1 - p``; the
+formulas therefore fold that rounding back into the coefficients (``formulas.fold_lse_residual``), so a backend
+forms ``p = exp(z - lse)`` from the lse it is given and still gets the exact gradient.
 """
 
 from __future__ import annotations

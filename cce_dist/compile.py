@@ -4,7 +4,7 @@
 when ``torch.compiler.is_compiling()``. Dynamo then sees, instead of the chunked Python loops of
 the eager path (data-dependent control flow, ``.item()``), four opaque ops:
 
-``cce_dist::ce_rows(hidden, weight, bias, targets, ...) -> (loss_rows, lse)``
+``cce_dist::ce_rows(hidden, weight, bias, targets, ...) -> (loss_rows, lse, lse_residual)``
 ``cce_dist::ce_rows_backward(...) -> (d_hidden, d_weight, d_bias)``
 ``cce_dist::logprob_rows(...) -> (logprob, entropy, stats)``
 ``cce_dist::logprob_rows_backward(...) -> (d_hidden, d_weight, d_bias)``
@@ -171,7 +171,7 @@ def _ce_rows(
     chunk_size: int | None,
     filter_eps: float | None,
     deterministic: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
@@ -179,13 +179,16 @@ def _ce_rows(
         hidden, weight, bias, targets, compute_dtype, softcap, 1.0, impl, chunk_size, False, bool(label_smoothing)
     )
     valid = targets != ignore_index
-    return formulas.cross_entropy_rows(stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+    loss, lse = formulas.cross_entropy_rows(
+        stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab
+    )
+    return loss, lse, formulas.lse_residual(stats)
 
 
 @_ce_rows.register_fake
 def _(hidden, *rest):  # shapes only: the outputs depend on the number of rows alone
     n = hidden.shape[0]
-    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+    return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("cce_dist::ce_rows_backward", mutates_args=())
@@ -195,6 +198,7 @@ def _ce_rows_backward(
     bias: Tensor | None,
     targets: Tensor,
     lse: Tensor,
+    lse_residual: Tensor,
     g_loss: Tensor,
     g_lse: Tensor,
     compute_dtype: torch.dtype,
@@ -212,7 +216,14 @@ def _ce_rows_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
     coef = formulas.cross_entropy_coef(
-        lse, valid, g_loss, g_lse, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=weight.shape[0]
+        lse,
+        valid,
+        g_loss,
+        g_lse,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        vocab_size=weight.shape[0],
+        residual=lse_residual,
     )
     return _grads(
         hidden,
@@ -250,7 +261,7 @@ def _(hidden, weight, bias, *rest):
 
 def _ce_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets = inputs[:4]
-    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1], output[2])
     ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
 
 
@@ -274,14 +285,15 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
     return grads + (None,) * (1 + len(ctx.args))
 
 
-def _ce_backward(ctx, g_loss, g_lse):
+def _ce_backward(ctx, g_loss, g_lse, g_residual):
+    del g_residual  # not an output of the API
     _refuse_second_order()
-    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    hidden, weight, bias, targets, lse, residual = ctx.saved_tensors
     needs = needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
     dh, dw, db = torch.ops.cce_dist.ce_rows_backward(
-        hidden, weight, bias, targets, lse, g_loss, g_lse, *ctx.args, *needs
+        hidden, weight, bias, targets, lse, residual, g_loss, g_lse, *ctx.args, *needs
     )
     return _input_grads(ctx, needs, dh, dw, db)
 
@@ -434,7 +446,7 @@ def compiled_cross_entropy(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
-    loss_rows, lse = torch.ops.cce_dist.ce_rows(
+    loss_rows, lse, _ = torch.ops.cce_dist.ce_rows(
         rows.hidden,
         weight,
         bias,

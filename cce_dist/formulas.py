@@ -19,15 +19,51 @@ def _effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
     return 0.0 if vocab_size <= 1 else label_smoothing
 
 
+def lse_residual(stats: torch.Tensor) -> torch.Tensor:
+    """``float32 [N]``: what the float32 ``lse = m + log(s)`` of :func:`cce_dist.stats.lse` rounds away, i.e.
+    ``(m + log(s)) - lse`` (0 where ``lse`` is not finite), exact by Knuth's two-sum.
+
+    ``lse`` is rounded at ulp(|lse|) (3.8e-6 at |lse| ~ 40): ``exp(z - lse)`` then carries that absolute error, and
+    the target's ``1 - p`` of a confident row (p ~ 0.999) would be ~1e-3 relatively wrong, where the materialized
+    program's ``(z - m) - log(s)`` is exact to a float32 rounding. :func:`fold_lse_residual` puts it back."""
+    m, log_s = stats[:, S.MAX], torch.log(stats[:, S.SUMEXP])
+    lse = m + log_s
+    b_virtual = lse - m
+    residual = (m - (lse - b_virtual)) + (log_s - b_virtual)
+    return torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
+
+
+def fold_lse_residual(coef: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The coefficients (layout: :mod:`cce_dist.backend`) that give, from the float32 ``lse``, the gradient of the
+    exact ``lse + residual`` (``residual`` from :func:`lse_residual`); ``coef`` is not modified.
+
+    With ``p = exp(z - lse)``, the exact probability is ``c * p`` (``c = exp(-residual)``) and the exact
+    ``z - lse`` is ``(z - lse) - residual``, so ``dz = (p - [t]) * A + p * D * (z - lse) + [t] * B + GAMMA`` with
+    ``A = c * (ALPHA - residual * DELTA)``, ``D = c * DELTA`` and ``B = BETA + (A - ALPHA)``, the last formed from
+    ``expm1`` so that the target's ``(p - 1) * A + B`` keeps every bit of a confident row's ``1 - p``.
+    Rows with a zero residual keep their coefficients bit for bit."""
+    alpha, beta, delta = coef[:, ALPHA], coef[:, BETA], coef[:, DELTA]
+    c = torch.exp(-residual)
+    shift = alpha * torch.expm1(-residual) - c * residual * delta  # A - ALPHA
+    out = coef.clone()
+    out[:, ALPHA] = alpha + shift
+    out[:, DELTA] = c * delta
+    out[:, BETA] = beta + shift
+    # A zero residual changes nothing, not even an infinite coefficient into inf * expm1(0) = NaN.
+    return torch.where(residual[:, None] != 0, out, coef)
+
+
 def cross_entropy_rows(
     stats: torch.Tensor, valid: torch.Tensor, *, label_smoothing: float, z_loss: float, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and lse, ``float32 [N]`` each; the loss is 0 where ``valid`` is False.
 
-    ``loss = (1-eps)*(lse - z_t) + eps*(lse - mean_j z_j) + z_loss*lse**2``.
+    ``loss = (1-eps)*(lse - z_t) + eps*(lse - mean_j z_j) + z_loss*lse**2``, its first term formed as
+    ``(m - z_t) + log(s)``: a confident row's loss (~1 - p) is then exact to a float32 rounding, as in the
+    materialized ``log_softmax``, instead of carrying an ulp of the logits' magnitude.
     """
     lse = S.lse(stats)
-    loss = lse - stats[:, S.TARGET]
+    loss = (stats[:, S.MAX] - stats[:, S.TARGET]) + torch.log(stats[:, S.SUMEXP])
     label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
     if label_smoothing:
         smooth = lse - S.mean_logit(stats, vocab_size)
@@ -47,8 +83,12 @@ def cross_entropy_coef(
     label_smoothing: float,
     z_loss: float,
     vocab_size: int,
+    residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``."""
+    """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``, for a
+    backward that forms ``p = exp(z - lse)``. ``residual``: :func:`lse_residual` of the row statistics (folded in
+    by :func:`fold_lse_residual`), or None where ``p`` is formed exactly otherwise (the fused torch path's
+    ``exp(z - m) / s``)."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
     label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
@@ -67,12 +107,12 @@ def cross_entropy_coef(
     coef[:, BETA] = beta
     if label_smoothing:
         coef[:, GAMMA] = -label_smoothing / vocab_size * g
-    return coef
+    return coef if residual is None else fold_lse_residual(coef, residual)
 
 
 def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row logprob of the target and entropy, ``float32 [N]``; 0 where ``valid`` is False."""
-    lp = stats[:, S.TARGET] - S.lse(stats)
+    lp = (stats[:, S.TARGET] - stats[:, S.MAX]) - torch.log(stats[:, S.SUMEXP])  # exact near 0 (lse_residual)
     ent = S.entropy(stats)
     zero = torch.zeros_like(lp)
     return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
@@ -81,7 +121,8 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None
 ) -> torch.Tensor:
-    """Coefficients of d(logprob, entropy)/dz (layout: :mod:`cce_dist.backend`; at the target the
+    """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - S.lse(stats))``, the
+    float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.backend`; at the target the
     logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
 
     Centred on lse (d H/d z_j = -p_j (z_j - lse + H)), no term is of the logits' magnitude: with
@@ -97,4 +138,4 @@ def logprob_coef(
         coef[:, DELTA] = -g_ent
     coef[:, ALPHA] = ent_term - g_lp
     coef[:, BETA] = ent_term
-    return coef
+    return fold_lse_residual(coef, lse_residual(stats))

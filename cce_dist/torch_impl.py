@@ -395,7 +395,8 @@ def fused_cross_entropy(
     Each chunk's full rows of logits give the (global, via ``reduce_stats``) statistics, then the
     loss rows via ``rows_fn(stats, valid) -> (loss, lse)`` and, while the logits are still held,
     the gradient for an upstream gradient of ``row_grad`` on every valid row via
-    ``coef_fn(lse, valid) -> coef``. ``chunk_tokens_`` must be the same on every rank when
+    ``coef_fn(lse, valid) -> coef`` (``p`` is formed as ``exp(z - m) / s``, exactly: the coefficients need no
+    :func:`~cce_dist.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
     ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing).
     Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
@@ -414,12 +415,12 @@ def fused_cross_entropy(
         loss[sl], lse[sl] = rows_fn(glob, valid[sl])
         if acc.dh is None and acc.dw is None and acc.db is None:
             return
-        # p = exp(z - lse) = exp(z - m_local) * exp(m_local - lse): the factor joins alpha's pass
+        # p = exp(z - m_local) * exp(m_local - m) / s, the factor joining alpha's pass: exact to a few float32
+        # roundings, where exp(m_local - lse) would carry the rounding of lse (an ulp of the logits' magnitude)
         c = coef_fn(lse[sl], valid[sl]) * row_grad
         inactive = _inactive_rows(c)
-        dz = _finish_dz(
-            z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=torch.exp(local[:, S.MAX] - lse[sl])
-        )
+        p_scale = torch.exp(local[:, S.MAX] - glob[:, S.MAX]) / glob[:, S.SUMEXP]
+        dz = _finish_dz(z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale)
         acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
     for sl in token_chunks(n_tokens, chunk_tokens_):

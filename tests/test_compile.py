@@ -165,7 +165,7 @@ def test_opcheck(with_bias):
     )
     hd, wd = h.detach(), w.detach()
     bd = None if b is None else b.detach()
-    _, lse = ops.ce_rows(hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
+    _, lse, residual = ops.ce_rows(hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
     g = torch.rand(5)
     torch.library.opcheck(
         ops.ce_rows_backward.default,
@@ -175,6 +175,7 @@ def test_opcheck(with_bias):
             bd,
             t,
             lse,
+            residual,
             g,
             g,
             torch.float32,
