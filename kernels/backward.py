@@ -818,7 +818,8 @@ def _chunked_launches(
     Per chunk, per row block in order: :func:`_dz_store_kernel` on the block's rows (views of
     hidden / targets / lse / coef starting at a multiple of BLOCK_N rows, so they stay 16-byte
     aligned) fills the dz scratch ``[Nc, Vc]``, then torch GEMMs use it: ``dW[chunk] (+)= dz^T @
-    H[rows]`` (written by the first block, added to by the next ones: it stays in L2 across them),
+    H[rows]`` (written by the first block, added to by the next ones, which follow each other, so
+    those dW rows may stay in L2),
     ``dH[rows] += dz @ W[chunk]`` (fp32), ``db[chunk] (+)=`` the column sums of the block's token
     tiles. No atomics; every sum runs in a fixed order, so results are bitwise repeatable.
     ``max_rows``: see :func:`plan`'s ``_chunk_rows``."""
@@ -917,7 +918,7 @@ def plan(
         fits = _chunked_fits(device, deterministic)
         schedule = "chunked" if fits else "owner" if deterministic else "tiles"
     dh = torch.zeros(n, d, **f32) if need_hidden else None
-    # The chunked schedule writes each row of dW once: no zero fill.
+    # The chunked schedule's first row block writes each row of dW (the next ones add to it): no zero fill.
     dw = (
         (torch.empty if schedule == "chunked" and n > 0 and d > 0 else torch.zeros)(v, d, **f32)
         if need_weight
