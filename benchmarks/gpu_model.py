@@ -25,6 +25,9 @@ import time
 from benchmarks.common import close_env, env_info, md_table, save_results
 
 N, D, V = 8192, 2304, 256_000
+#: A larger call the backward schedules are also compared at: a micro-batch of 8 x 8192 tokens, where the
+#: chunked schedule's dz of all rows no longer fits its 16 MB scratch and it walks row blocks as well.
+N_BIG = 65_536
 
 #: Device parameters (public datasheets, SXM parts) and modelling assumptions. Units: bytes, s, Hz.
 GPUS = {
@@ -67,8 +70,10 @@ ASSUMPTIONS = {
     "cublas": "the chunked schedule's torch GEMMs (bf16 operands, fp32 output) reach 70% of the bf16 peak when "
     "compute-bound; each is max(FLOPs at that rate, its bytes at the HBM rate): dH += dz_c @ W_c reads and "
     "writes the fp32 dH (75 MB, > L2) once per chunk, dW_c = dz_c^T @ H reads H (38 MB) once per chunk",
-    "chunk_scratch": "the chunked schedule's dz scratch [N, Vc] (<= 16 MB bf16) is written once and read twice per "
-    "chunk; counted at the HBM rate (conservative: it fits in L2 on H100/H200 and may never leave it)",
+    "chunk_scratch": "the chunked schedule's dz scratch [Nc, Vc] (<= 16 MB bf16) is written once and read twice per "
+    "(row block, vocab chunk); counted at the HBM rate (conservative: it fits in L2 on H100/H200 and may never "
+    "leave it). With several row blocks (N_BIG) each block after the first also reads and writes the chunk's fp32 "
+    "dW rows, counted at the HBM rate too (they may stay in L2 between the blocks of one chunk)",
 }
 MMA_EFF_BIG, MMA_EFF_SMALL, HBM_EFF, ATOMIC_BPS, CUBLAS_EFF = 0.75, 0.65, 0.90, 1.5e12, 0.70
 MUFU_PER_CLK, ALU_PER_CLK = 16, 128
@@ -232,39 +237,61 @@ def model(r: dict, g: dict) -> dict:
     )
 
 
+def chunk_shape(bv: int, n: int = N, bn: int = 128, elt: int = 2) -> tuple[int, int]:
+    """(Nc, Vc) of the chunked schedule for ``n`` tokens without a bias: the library's own sizing
+    (``kernels.config.chunk_shape``: 16 MB of scratch, row blocks only where 1024 columns of all rows
+    do not fit)."""
+    from cce_dist.kernels.config import chunk_shape as shape
+
+    return shape(n, V, bn, bv, elt, False)
+
+
 def chunk_columns(bv: int, elt: int = 2) -> int:
-    """Vc of the chunked schedule at the paper shape (as ``kernels.backward._chunk_columns``)."""
-    return max(bv, (16 << 20) // (N * elt) // bv * bv)
+    """Vc of the chunked schedule at the paper shape."""
+    return chunk_shape(bv, N, elt=elt)[1]
 
 
-def chunked_gemms(g: dict, vc: int) -> dict:
-    """The chunked schedule's torch GEMMs over all chunks: dH += dz_c @ W_c and dW_c = dz_c^T @ H,
-    each per chunk max(compute at CUBLAS_EFF, bytes at the HBM rate), plus the scratch reads."""
-    chunks = math.ceil(V / vc)
+def chunked_gemms(g: dict, vc: int, n: int = N, nc: int | None = None) -> dict:
+    """The chunked schedule's torch GEMMs over all (vocab chunk, row block) pairs: dH[rows] += dz @ W_c
+    and dW_c (+)= dz^T @ H[rows], each max(compute at CUBLAS_EFF, bytes at the HBM rate), plus the
+    scratch reads; row blocks of ``nc`` rows (default: one block of all ``n``)."""
+    nc = nc or n
+    chunks, blocks = math.ceil(V / vc), math.ceil(n / nc)
     hbm_bps = g["hbm_bps"] * HBM_EFF
-    flops = 2 * N * vc * D / (g["peak_bf16"] * CUBLAS_EFF)
-    t_dh = max(flops, (2 * N * D * 4 + N * vc * 2 + vc * D * 2) / hbm_bps)
-    t_dw = max(flops, (N * D * 2 + N * vc * 2 + vc * D * 4) / hbm_bps)
+    t_dh = t_dw = 0.0
+    for b in range(blocks):
+        rows = min(nc, n - b * nc)
+        flops = 2 * rows * vc * D / (g["peak_bf16"] * CUBLAS_EFF)
+        t_dh += max(flops, (2 * rows * D * 4 + rows * vc * 2 + vc * D * 2) / hbm_bps)
+        # the first block writes dW_c, the next ones read and write it
+        t_dw += max(flops, (rows * D * 2 + rows * vc * 2 + vc * D * 4 * (1 if b == 0 else 2)) / hbm_bps)
     return dict(
-        chunks=chunks, t_dh_ms=chunks * t_dh * 1e3, t_dw_ms=chunks * t_dw * 1e3, t_ms=chunks * (t_dh + t_dw) * 1e3
+        chunks=chunks,
+        blocks=blocks,
+        t_dh_ms=chunks * t_dh * 1e3,
+        t_dw_ms=chunks * t_dw * 1e3,
+        t_ms=chunks * (t_dh + t_dw) * 1e3,
     )
 
 
-def schedules(g: dict) -> list[dict]:
-    """Backward schedules compared on atomic bytes and estimated time (128x128 tiles, bf16)."""
+def schedules(g: dict, n: int = N) -> list[dict]:
+    """Backward schedules compared on atomic bytes and estimated time (128x128 tiles, bf16) for ``n``
+    tokens: all of them at the paper's N, the per-tile, chunked and owner-computes ones at another."""
     bn = bv = 128
-    logits = N * V
+    logits = n * V
     grad_flops = 4 * logits * D
     t_recompute = 2 * logits * D / (g["peak_bf16"] * MMA_EFF_BIG)
     t_grad = grad_flops / (g["peak_bf16"] * MMA_EFF_BIG)
-    base_atomics = (V // bv * N * D + N // bn * V * D) * 4
+    base_atomics = (V // bv * n * D + n // bn * V * D) * 4
+    groups = n // (bn * 8)  # swizzle groups of 8 token tiles: each read-modify-writes dW (> L2) once
+    at = "" if n == N else f" at N = {n:,}"
     rows = []
 
     def add(name, atomics, scratch, grad_frac, hbm_rmw, note):
         t = max(t_recompute + t_grad * grad_frac, atomics / ATOMIC_BPS, hbm_rmw / (g["hbm_bps"] * HBM_EFF))
         rows.append(
             dict(
-                schedule=name,
+                schedule=name + at,
                 atomic_gb=atomics / 1e9,
                 scratch_mb=scratch / 2**20,
                 est_ms=t * 1e3,
@@ -274,50 +301,52 @@ def schedules(g: dict) -> list[dict]:
         )
 
     add(
-        "per-tile 128x128 (_schedule='tiles'; default where the chunk scratch does not fit)",
+        "per-tile 128x128 (_schedule='tiles'; the fallback where the chunked one cannot run)",
         base_atomics,
         0,
         1.0,
-        8 * 2 * V * D * 4,
+        groups * 2 * V * D * 4,
         "one atomic per output element per tile pair",
     )
-    add(
-        "fused 128x256 (Blackwell TMEM acc)",
-        (V // 256 * N * D + N // bn * V * D) * 4,
-        0,
-        1.0,
-        8 * 2 * V * D * 4,
-        "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics",
-    )
-    add(
-        "2x2 super-tiles (opt-in, _schedule='super')",
-        base_atomics / 2,
-        132 * 3 * bn * bv * 2,
-        1.0,
-        4 * 2 * V * D * 4,
-        "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics",
-    )
-    for f in (0.5, 0.9):
+    if n == N:
         add(
-            f"fused + filtering, {int(f * 100)}% tiles skipped",
-            base_atomics * (1 - f),
+            "fused 128x256 (Blackwell TMEM acc)",
+            (V // 256 * n * D + n // bn * V * D) * 4,
             0,
-            1 - f,
-            8 * 2 * V * D * 4 * (1 - f),
-            "the skip rate depends on the data (see filter_effect.md)",
+            1.0,
+            groups * 2 * V * D * 4,
+            "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics",
         )
-    vc = chunk_columns(bv)
-    cg = chunked_gemms(g, vc)
-    t_store = (N * V * 2 + (math.ceil(V / vc) * N * D * 2)) / (g["hbm_bps"] * HBM_EFF)
+        add(
+            "2x2 super-tiles (opt-in, _schedule='super')",
+            base_atomics / 2,
+            132 * 3 * bn * bv * 2,
+            1.0,
+            groups / 2 * 2 * V * D * 4,
+            "persistent, 3 bf16 dz tiles parked per program (12.4 MB scratch): 0.5x atomics",
+        )
+        for f in (0.5, 0.9):
+            add(
+                f"fused + filtering, {int(f * 100)}% tiles skipped",
+                base_atomics * (1 - f),
+                0,
+                1 - f,
+                groups * 2 * V * D * 4 * (1 - f),
+                "the skip rate depends on the data (see filter_effect.md)",
+            )
+    nc, vc = chunk_shape(bv, n)
+    cg = chunked_gemms(g, vc, n, nc)
+    t_store = (n * V * 2 + (math.ceil(V / vc) * n * D * 2)) / (g["hbm_bps"] * HBM_EFF)
     t = max(t_recompute, t_store) + cg["t_ms"] / 1e3  # as model(): the dz kernel's own bound, then the GEMMs
+    blocks = f"{cg['blocks']} row blocks of {nc} tokens x " if cg["blocks"] > 1 else ""
     rows.append(
         dict(
-            schedule="chunked dz (default, _schedule='chunked'; also deterministic=True)",
+            schedule="chunked dz (default, _schedule='chunked'; also deterministic=True)" + at,
             atomic_gb=0.0,
-            scratch_mb=N * vc * 2 / 2**20,
+            scratch_mb=nc * vc * 2 / 2**20,
             est_ms=t * 1e3,
             frac_peak=grad_flops / t / g["peak_bf16"],
-            note=f"{cg['chunks']} chunks of {vc} columns: Triton recompute + dz store, then cuBLAS dH "
+            note=f"{blocks}{cg['chunks']} chunks of {vc} columns: Triton recompute + dz store, then cuBLAS dH "
             f"({cg['t_dh_ms']:.1f} ms) and dW ({cg['t_dw_ms']:.1f} ms); no atomics, bitwise repeatable",
         )
     )
@@ -326,7 +355,7 @@ def schedules(g: dict) -> list[dict]:
         0,
         0,
         1.5,
-        2 * (V // bv * N * D + N // bn * V * D) * 4,
+        2 * (V // bv * n * D + n // bn * V * D) * 4,
         "no atomics; each update is an HBM read+write (blocks exceed L2); 4 matmuls",
     )
     return rows
@@ -447,7 +476,7 @@ def main() -> None:
     for r in rows:
         for gname, g in GPUS.items():
             r[gname] = model(r, g)
-    sched = {gname: schedules(g) for gname, g in GPUS.items()}
+    sched = {gname: schedules(g) + schedules(g, N_BIG) for gname, g in GPUS.items()}
     h100 = {r["label"] + "/" + r["kernel"]: r["H100 SXM"] for r in rows}
     fwd = min((r["H100 SXM"] for r in rows if r["label"] == "forward"), key=lambda m: m["est_ms"])
     ce_fwd = min(
@@ -456,6 +485,8 @@ def main() -> None:
     chk = h100["backward chunked (default)/_dz_store_kernel"]
     det = sum(m["est_ms"] for k, m in h100.items() if k.startswith("backward deterministic"))
     bwd = h100["backward fused/_grads_fused_kernel"]
+    big = [s for s in sched["H100 SXM"] if s["schedule"].endswith(f"at N = {N_BIG:,}")]
+    big_tiles, big_chk, big_owner = (next(s for s in big if s["schedule"].startswith(k)) for k in ("per", "chu", "det"))
     sup = h100["backward super-tile (opt-in)/_grads_super_kernel"]
     reading = [
         f"Forward (best autotune candidate): {fwd['est_ms']:.1f} ms, {100 * fwd['frac_peak']:.0f}% of bf16 peak, "
@@ -479,15 +510,22 @@ def main() -> None:
         "filtering removes them in proportion to the skipped tiles, but its epilogue needs 64-row tiles to "
         "stay spill-free, which costs 1.5x the atomics when few tiles are skipped (row 'backward fused "
         "filter': no skips assumed).",
-        f"Chunked dz (the default GPU schedule where its 16 MB scratch fits): {chk['est_ms']:.1f} ms on H100 "
+        f"Chunked dz (the default GPU schedule at every N, in 16 MB of scratch): {chk['est_ms']:.1f} ms on H100 "
         f"(recompute kernel {chk['t_mma_ms'] + chk['t_elem_ms']:.1f} ms + the two torch GEMMs), "
         f"{100 * chk['frac_peak']:.0f}% of peak, against {bwd['est_ms']:.1f} ms for the per-tile fused kernel and "
         f"{det:.1f} ms for the owner-computes deterministic kernels: no atomics at all, so it is also what "
         "deterministic=True runs. It stays below the 55% target: with 6 N*V*D FLOPs for 4 useful ones (the "
         "recompute), 75% MMA efficiency caps any recompute schedule at 50%; the dH GEMMs (K = Vc = 1024) also "
         "read and write the fp32 dH once per chunk (HBM-bound on H100 at this Vc).",
+        f"At N = {N_BIG:,} (a micro-batch of 8 x 8192 tokens) the dz of all rows no longer fits the scratch even "
+        f"for a 128-column chunk, so the chunked schedule walks {big_chk['note'].split(':')[0]}: "
+        f"{big_chk['est_ms']:.0f} ms on H100 against {big_tiles['est_ms']:.0f} ms for the per-tile kernel "
+        f"({big_tiles['est_ms'] / big_chk['est_ms']:.1f}x; {big_tiles['atomic_gb']:.0f} GB of atomics) and "
+        f"{big_owner['est_ms']:.0f} ms for the owner-computes kernels (schedule table; everything scales with N, "
+        "and each row block after the first also reads and writes the chunk's fp32 dW rows).",
         "The owner-computes deterministic kernels move their outputs through HBM and are the slowest; they remain "
-        "as `_schedule='owner'` (and deterministic=True's fallback when the chunk scratch does not fit).",
+        "as `_schedule='owner'` (and deterministic=True's fallback where the chunked schedule cannot run: too little "
+        "free memory for its scratch, or deterministic algorithms without a pinned cuBLAS workspace).",
     ]
     plan = [
         "Run `bash benchmarks/gpu_suite.sh`: GPU tests, then timings; gpu_suite.md puts these estimates next to "

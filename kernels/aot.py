@@ -209,8 +209,9 @@ def backward_launches(
 
     ``schedule``: the backward's ``_schedule`` ("tiles", "super", "chunked", "owner"; the
     deterministic calls use "owner" unless told otherwise). Only the Triton launches are returned: the
-    chunked schedule's torch GEMMs are dropped, and of its per-chunk dz launches (identical but for
-    the chunk) the first and the last, which may be ragged."""
+    chunked schedule's torch GEMMs are dropped, and of its dz launches per (vocab chunk, row block)
+    (identical but for the chunk and the rows) the first and the last, whose chunk and row block may
+    be ragged."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
     coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
@@ -241,6 +242,9 @@ def backward_launches(
 PAPER_SHAPE = (8192, 2304, 256000)
 #: A shape with nothing divisible by 16 (the launcher then specializes without alignment hints).
 RAGGED_SHAPE = (8191, 2303, 32001)
+#: More tokens than one row block of the chunked backward holds (9 row blocks in bf16, the last one
+#: of 7169 rows: its dz launch has an N not divisible by 16).
+ROWS_SHAPE = (65537, 2304, 256000)
 
 #: (name, dtype, tf32) of the compute modes: fp32 runs with TF32 matmuls or exactly (IEEE).
 DTYPES = [
@@ -267,7 +271,8 @@ def matrix(props: _config.DeviceProps):
     also without SUM / ENTROPY, the plain cross-entropy's); bf16 gets all four backward
     flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
     and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain and the heaviest flags)
-    and once per other mode; plus the ragged shape once (no divisibility hints)."""
+    and once per other mode; plus the ragged shape once (no divisibility hints) and the chunked dz
+    kernel at a token count split into row blocks, the last one ragged (bf16)."""
     n, d, v = PAPER_SHAPE
     out = []
 
@@ -308,6 +313,8 @@ def matrix(props: _config.DeviceProps):
     n, d, v = RAGGED_SHAPE
     add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
     add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))
+    n, d, v = ROWS_SHAPE
+    add("bf16/rows/bwd-chunked", backward_launches(props, torch.bfloat16, n, d, v, schedule="chunked"))
     return out
 
 

@@ -16,25 +16,32 @@ backward in that dtype does; fp32 stays fp32); both matmuls accumulate in fp32.
 
 Schedules (``_schedule``; see :func:`grads`):
 
-- ``"chunked"``, the default wherever its scratch fits (``config.CHUNK_SCRATCH_BYTES`` = 16 MB:
-  N up to about 63,500 tokens in bf16), for ``deterministic=True`` too: the shard's vocab is walked in
-  chunks of Vc columns (the widest multiple of BLOCK_V whose dz ``[N, Vc]`` in the compute dtype
-  fits the scratch: 1024 for N = 8192 in bf16). Per chunk, :func:`_dz_store_kernel` recomputes
-  the chunk's logit tiles (the same tile loop and dz epilogue as the fused kernel: softcap, bias,
-  filtering, every coefficient) and stores ``draw`` rounded to the compute dtype, exactly as the
-  fused kernel rounds it before its matmuls, plus fp32 per-token-tile column sums for db; then two
-  torch GEMMs with fp32 output: ``dW[chunk] = draw.T @ H`` (those rows of dW written once) and
-  ``dH += draw @ W[chunk]``. No atomics; chunks run in a fixed order, so results are bitwise
-  repeatable. ``benchmarks/gpu_model.py`` estimates it at ~4.5x faster than the per-tile kernel
-  at the CCE paper shape on H100 (no atomic traffic; the price is the fp32 dH read and written by
-  each chunk's GEMM) and ~6x faster than the owner-computes kernels.
-- ``"tiles"`` (the default where the scratch does not fit): one fused kernel over all (token
+- ``"chunked"``, the default at every N (``deterministic=True`` too), with a scratch of at most
+  ``config.CHUNK_SCRATCH_BYTES`` = 16 MB: the shard's vocab is walked in chunks of Vc columns and,
+  where needed, the tokens in row blocks of Nc rows (:func:`.config.chunk_shape`). All N rows form
+  one block whenever ``config.CHUNK_MIN_COLS`` = 1024 columns of dz ``[N, Vc]`` in the compute
+  dtype fit the scratch (N up to about 8192 in bf16); Vc is then the widest multiple of BLOCK_V
+  that fits (1024 for N = 8192 in bf16). Beyond that the rows are split into equal blocks of a
+  multiple of BLOCK_N rows (8 blocks of 8192 for N = 65,536 in bf16) and Vc is again the widest
+  that fits. Per chunk, per row block, :func:`_dz_store_kernel` recomputes the logit tiles (the
+  same tile loop and dz epilogue as the fused kernel: softcap, bias, filtering, every coefficient)
+  and stores ``draw`` rounded to the compute dtype, exactly as the fused kernel rounds it before
+  its matmuls, plus fp32 per-token-tile column sums for db; then two torch GEMMs with fp32 output:
+  ``dW[chunk] (+)= draw.T @ H[rows]`` (written by the first row block, added to by the next) and
+  ``dH[rows] += draw @ W[chunk]``. No atomics; chunks and row blocks run in a fixed order, so
+  results are bitwise repeatable. ``benchmarks/gpu_model.py`` estimates it at ~4.5x faster than
+  the per-tile kernel at the CCE paper shape on H100 (no atomic traffic; the price is the fp32 dH
+  read and written by each chunk's GEMM), about as much at N = 65,536, and ~6x faster than the
+  owner-computes kernels.
+- ``"tiles"`` (the fallback where the chunked schedule cannot run: less free CUDA memory than its
+  scratch): one fused kernel over all (token
   tile, vocab tile) pairs, grouped for L2 reuse as in the Triton matmul tutorial. Each program
   recomputes its logit tile once and adds its dH / dW / db contributions to the fp32 outputs with
   ``tl.atomic_add``, in ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the
   fp32 gradients, but ~300 GB of fp32 atomics at the paper shape, which bound it.
 - ``"super"`` (opt-in): 2x2 super-tiles, half the atomics of ``"tiles"``; spills with Triton 3.9.
-- ``"owner"`` (``deterministic=True`` where the chunk scratch does not fit): no float atomics and
+- ``"owner"`` (``deterministic=True`` where the chunked schedule cannot run: too little free memory,
+  or ``torch.use_deterministic_algorithms`` without a pinned cuBLAS workspace): no float atomics and
   no scratch. A dH kernel gives each program one token tile and walks the vocab tiles in order; a
   dW/db kernel gives each program one vocab tile and walks the token tiles in order. Each output
   block is owned by exactly one program, which updates it by a plain load-add-store per tile (a
@@ -552,10 +559,12 @@ def _dz_store_kernel(
     GROUP_N: tl.constexpr,
 ):
     """
-    One vocab chunk of the chunked backward: the gradient w.r.t. the raw logits of every (token
-    tile, vocab tile) pair, stored instead of multiplied (no atomics; the launcher's GEMMs use it).
+    One (row block, vocab chunk) pair of the chunked backward: the gradient w.r.t. the raw logits of
+    every (token tile, vocab tile) pair, stored instead of multiplied (no atomics; the launcher's
+    GEMMs use it).
 
-    W / Bias / vocab_start / V describe the chunk (a row slice of the shard). DZ (pointer): [N, V]
+    W / Bias / vocab_start / V describe the chunk (a row slice of the shard); H / Targets / LSE /
+    Coef / N the row block (views starting at a multiple of BLOCK_N rows). DZ (pointer): [N, V]
     scratch in the compute dtype, row stride ``stride_dzn``, unit column stride; each element
     written once with dz rounded to the MMA operand dtype exactly as the fused kernel rounds it
     before its matmuls (0 in filtered-out tiles, which the fused kernel skips). DBP (pointer): fp32
@@ -757,24 +766,21 @@ class _HostStep:
         return self.fn
 
 
-def _chunk_columns(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias: bool) -> int:
-    """Vocab columns per chunk: as many whole ``block_v`` tiles as keep the dz scratch ``[n, Vc]``
-    (``elt`` bytes each) and the db partial sums within ``CHUNK_SCRATCH_BYTES`` (at least one tile,
-    at most the shard)."""
-    per_col = n * elt + (triton.cdiv(n, block_n) * 4 if need_bias else 0)
-    vc = max(block_v, _config.CHUNK_SCRATCH_BYTES // max(per_col, 1) // block_v * block_v)
+def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias: bool, max_rows=None):
+    """``(Nc, Vc)`` of the chunked schedule: :func:`.config.chunk_shape` (scratch within
+    ``CHUNK_SCRATCH_BYTES`` at any ``n``), with Vc capped at ``INTERPRET_CHUNK_COLS`` in the interpreter
+    so that the tests' tiny shards walk several chunks."""
+    nc, vc = _config.chunk_shape(n, v, block_n, block_v, elt, need_bias, max_rows)
     if _INTERPRET:
         vc = min(vc, _config.INTERPRET_CHUNK_COLS)
-    return min(vc, triton.cdiv(v, block_v) * block_v)
+    return nc, vc
 
 
-def _chunked_fits(n: int, elt: int, device: torch.device, deterministic: bool) -> bool:
-    """Whether the chunked schedule can run: its scratch for one 128-column chunk (dz and the db
-    partial sums of 64-row tiles at most) within ``CHUNK_SCRATCH_BYTES`` and, on a CUDA device,
-    within its free memory; and, for ``deterministic`` under ``torch.use_deterministic_algorithms``,
-    cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""
-    if 128 * (n * elt + 4 * triton.cdiv(n, 64)) > _config.CHUNK_SCRATCH_BYTES:
-        return False
+def _chunked_fits(device: torch.device, deterministic: bool) -> bool:
+    """Whether the chunked schedule can run (at any N: its row blocks keep the scratch within
+    ``CHUNK_SCRATCH_BYTES``): on a CUDA device, that much free memory; and, for ``deterministic``
+    under ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch
+    refuses the GEMMs)."""
     if device.type != "cuda":
         return True
     if deterministic and torch.are_deterministic_algorithms_enabled():
@@ -804,17 +810,25 @@ def _mm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: boo
         torch.mm(a, b, out=out)
 
 
-def _chunked_launches(hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch):
-    """The chunked schedule: per vocab chunk of Vc columns, :func:`_dz_store_kernel` fills the dz
-    scratch, then torch GEMMs use it: ``dW[chunk] = dz^T @ H`` (written once), ``dH += dz @ W[chunk]``
-    (fp32), ``db[chunk]`` = the column sums of the chunk's token tiles. No atomics; chunks run in a
-    fixed order, so results are bitwise repeatable."""
+def _chunked_launches(
+    hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch, max_rows=None
+):
+    """The chunked schedule: the shard's vocab in chunks of Vc columns and the tokens in row blocks
+    of Nc rows (:func:`_chunk_shape`; one block holding every row unless the scratch needs more).
+    Per chunk, per row block in order: :func:`_dz_store_kernel` on the block's rows (views of
+    hidden / targets / lse / coef starting at a multiple of BLOCK_N rows, so they stay 16-byte
+    aligned) fills the dz scratch ``[Nc, Vc]``, then torch GEMMs use it: ``dW[chunk] (+)= dz^T @
+    H[rows]`` (written by the first block, added to by the next ones, which follow each other, so
+    those dW rows may stay in L2),
+    ``dH[rows] += dz @ W[chunk]`` (fp32), ``db[chunk] (+)=`` the column sums of the block's token
+    tiles. No atomics; every sum runs in a fixed order, so results are bitwise repeatable.
+    ``max_rows``: see :func:`plan`'s ``_chunk_rows``."""
     n, v = hidden.shape[0], weight.shape[0]
     bn, bv = flags["BLOCK_N"], flags["BLOCK_V"]
     dz_flags = {k: val for k, val in flags.items() if k != "BLOCK_D_OUT"}
-    vc = _chunk_columns(n, v, bn, bv, hidden.element_size(), db is not None)
-    scratch = torch.empty(n, vc, dtype=hidden.dtype, device=hidden.device)
-    dbp = torch.empty(triton.cdiv(n, bn), vc, dtype=torch.float32, device=hidden.device) if db is not None else lse
+    nc, vc = _chunk_shape(n, v, bn, bv, hidden.element_size(), db is not None, max_rows)
+    scratch = torch.empty(nc, vc, dtype=hidden.dtype, device=hidden.device)
+    dbp = torch.empty(triton.cdiv(nc, bn), vc, dtype=torch.float32, device=hidden.device) if db is not None else lse
     h_rows = hidden
     if dw is not None and hidden.device.type != "meta":
         # dz is 0 in rows with all-zero coefficients, but 0 * inf = NaN in the GEMM: such rows of H
@@ -823,26 +837,34 @@ def _chunked_launches(hidden, weight, bias, targets, lse, coef, dh, dw, db, scal
         if bool((idle & ~torch.isfinite(hidden).all(1)).any()):
             h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
 
-    def gemms(c0: int, c1: int) -> None:
-        dz = scratch[:, : c1 - c0]
+    def gemms(c0: int, c1: int, r0: int, r1: int) -> None:
+        dz = scratch[: r1 - r0, : c1 - c0]
+        first = r0 == 0
         if dh is not None:
-            _mm_f32(dh, dz, weight[c0:c1], accumulate=True)
+            _mm_f32(dh[r0:r1], dz, weight[c0:c1], accumulate=True)
         if dw is not None:
-            _mm_f32(dw[c0:c1], dz.T, h_rows, accumulate=False)
+            _mm_f32(dw[c0:c1], dz.T, h_rows[r0:r1], accumulate=not first)
         if db is not None:
-            torch.sum(dbp[:, : c1 - c0], 0, out=db[c0:c1])
+            part = dbp[: triton.cdiv(r1 - r0, bn), : c1 - c0]
+            if first:
+                torch.sum(part, 0, out=db[c0:c1])
+            else:
+                db[c0:c1].add_(part.sum(0))
 
     launches = []
     for c0 in range(0, v, vc):
         c1 = min(v, c0 + vc)
         w_c = weight[c0:c1]
         b_c = bias[c0:c1] if bias is not None else hidden
-        sc = (n, c1 - c0, *scalars[2:3], scalars[3] + c0, *scalars[4:])
-        args = (hidden, w_c, b_c, targets, lse, coef, scratch, dbp, *sc, scratch.stride(0), dbp.stride(0))
-        grid = (triton.cdiv(n, bn) * triton.cdiv(c1 - c0, bv),)
-        kwargs = dict(NEED_DB=db is not None, GROUP_N=group_n, **dz_flags, **launch)
-        launches.append((_dz_store_kernel, grid, args, kwargs))
-        launches.append((_HostStep(gemms), None, (c0, c1), {}))
+        for r0 in range(0, n, nc):
+            r1 = min(n, r0 + nc)
+            rows = (hidden[r0:r1], w_c, b_c, targets[r0:r1], lse[r0:r1], coef[r0:r1])
+            sc = (r1 - r0, c1 - c0, *scalars[2:3], scalars[3] + c0, *scalars[4:])
+            args = (*rows, scratch, dbp, *sc, scratch.stride(0), dbp.stride(0))
+            grid = (triton.cdiv(r1 - r0, bn) * triton.cdiv(c1 - c0, bv),)
+            kwargs = dict(NEED_DB=db is not None, GROUP_N=group_n, **dz_flags, **launch)
+            launches.append((_dz_store_kernel, grid, args, kwargs))
+            launches.append((_HostStep(gemms), None, (c0, c1, r0, r1), {}))
     return launches
 
 
@@ -868,6 +890,7 @@ def plan(
     allow_tf32=None,
     _blocks=None,
     _schedule=None,
+    _chunk_rows=None,
 ):
     """Everything the backward launches need, without launching: ``(dh, dw, db, launches)``.
 
@@ -892,10 +915,10 @@ def plan(
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
     if schedule is None:
-        fits = _chunked_fits(n, hidden.element_size(), device, deterministic)
+        fits = _chunked_fits(device, deterministic)
         schedule = "chunked" if fits else "owner" if deterministic else "tiles"
     dh = torch.zeros(n, d, **f32) if need_hidden else None
-    # The chunked schedule writes each row of dW once: no zero fill.
+    # The chunked schedule's first row block writes each row of dW (the next ones add to it): no zero fill.
     dw = (
         (torch.empty if schedule == "chunked" and n > 0 and d > 0 else torch.zeros)(v, d, **f32)
         if need_weight
@@ -977,7 +1000,7 @@ def plan(
     launches = []
     if schedule == "chunked":
         launches = _chunked_launches(
-            hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch
+            hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch, _chunk_rows
         )
     elif schedule in ("tiles", "super"):
         # The fused and the super-tile kernels take the same arguments (plus the super-tile's scratch).
@@ -1051,6 +1074,7 @@ def grads(
     deterministic=False,
     _blocks=None,
     _schedule=None,
+    _chunk_rows=None,
 ):
     """Gradients of one vocab shard: ``(d_hidden [N, D], d_weight [V_local, D], d_bias [V_local])``,
     float32, None where not needed (``d_bias`` is None when ``bias`` is None).
@@ -1061,12 +1085,16 @@ def grads(
     it relative to their row's coefficient scale (see the module docstring; None = exact).
     ``deterministic``: no float atomics, bitwise repeatable.
     ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests and
-    benchmarks; None picks one, see the module docstring): ``"chunked"`` (per vocab chunk, a kernel
-    stores dz and two torch GEMMs consume it: no atomics, deterministic; the default wherever its
-    16 MB scratch fits, for ``deterministic`` too), ``"tiles"`` (one program per tile pair, fp32
-    atomics; the default where the scratch does not fit), ``"super"`` (2x2 super-tiles: half the
-    atomics, but with Triton 3.9 it spills on sm_90/sm_100, so it stays opt-in) or ``"owner"`` (the
-    owner-computes kernels: deterministic without scratch; ``deterministic``'s fallback).
+    benchmarks; None picks one, see the module docstring): ``"chunked"`` (per vocab chunk and row
+    block, a kernel stores dz and two torch GEMMs consume it: no atomics, deterministic, 16 MB of
+    scratch at any N; the default, for ``deterministic`` too), ``"tiles"`` (one program per tile
+    pair, fp32 atomics; the fallback where the chunked one cannot run: less free CUDA memory than
+    its scratch), ``"super"`` (2x2 super-tiles: half the atomics, but with Triton 3.9 it spills on
+    sm_90/sm_100, so it stays opt-in) or ``"owner"`` (the owner-computes kernels: deterministic
+    without scratch; ``deterministic``'s fallback, also under ``torch.use_deterministic_algorithms``
+    without a pinned ``CUBLAS_WORKSPACE_CONFIG``). ``_chunk_rows`` (tests only): at most this many
+    rows per row block of the chunked schedule (rounded down to a multiple of BLOCK_N), so that tiny
+    shapes walk several row blocks as a large N does.
     """
     check_inputs(_INTERPRET, hidden, weight, bias, targets)
     n = hidden.shape[0]
@@ -1094,6 +1122,7 @@ def grads(
         deterministic=deterministic,
         _blocks=_blocks,
         _schedule=_schedule,
+        _chunk_rows=_chunk_rows,
     )
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)

@@ -130,16 +130,59 @@ def _fits(smem: int, props: DeviceProps) -> bool:
     return smem <= props.smem_per_block
 
 
-#: Scratch of the chunked backward (the default where it fits): the dz of one vocab chunk,
-#: ``[N, Vc]`` in the compute dtype, plus its db partial sums. Vc is the widest multiple of the
-#: vocab tile within this (1024 columns for N = 8192 in bf16, 896 with a bias); with more tokens
-#: than fit one 128-column chunk (about 63,500 in bf16) the launcher falls back to the per-tile
-#: schedule (or, deterministic, the owner-computes kernels).
+#: Scratch of the chunked backward (the default schedule): the dz of one (row block, vocab chunk)
+#: pair, ``[Nc, Vc]`` in the compute dtype, plus its db partial sums (see :func:`chunk_shape`).
 CHUNK_SCRATCH_BYTES = 16 << 20
 
+#: Narrowest vocab chunk the chunked backward walks before it also splits the tokens into row
+#: blocks. Vc is the K dimension of its dH GEMM (``dH[rows] += dz @ W[chunk]``), which reads and
+#: writes those rows of the fp32 dH once per chunk: Vc FLOPs per 4 bytes of dH moved, so at 1024
+#: columns it sits near the H100's ridge point (about 230 FLOP/B at 70% of the bf16 peak and 90% of
+#: the HBM rate; benchmarks/gpu_model.py) and narrower chunks make it HBM-bound. With more tokens
+#: than let 1024 columns fit the scratch (about 8192 in bf16), fewer rows per block keep the chunks
+#: this wide instead.
+CHUNK_MIN_COLS = 1024
+
 #: Interpreter: vocab columns per chunk, so that the tests' shapes (V_local <= 200) walk several
-#: chunks, the last one ragged.
+#: chunks, the last one ragged. (Row blocks are forced small per call, by ``grads(_chunk_rows=)``.)
 INTERPRET_CHUNK_COLS = 64
+
+
+def chunk_shape(
+    n: int, v: int, block_n: int, block_v: int, elt: int, need_bias: bool, max_rows: int | None = None
+) -> tuple[int, int]:
+    """``(Nc, Vc)``: rows per row block and vocab columns per chunk of the chunked backward for
+    ``n`` tokens and a ``v``-row shard, so that its scratch (dz ``[Nc, Vc]`` at ``elt`` bytes plus,
+    with ``need_bias``, fp32 db partial sums ``[cdiv(Nc, block_n), Vc]``) fits
+    ``CHUNK_SCRATCH_BYTES`` at any ``n``.
+
+    All ``n`` rows in one block (``Nc = n``) whenever :data:`CHUNK_MIN_COLS` columns (or the whole
+    shard, if narrower) fit with them; otherwise equal row blocks (the last one ragged) of a
+    multiple of ``block_n`` rows, as few as keep that width. Vc is then the widest multiple of
+    ``block_v`` that fits with Nc rows (at least one tile, at most the shard). ``max_rows`` (tests)
+    caps Nc below what the budget allows (rounded down to a multiple of ``block_n``)."""
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    def col_bytes(rows: int) -> int:
+        return rows * elt + (cdiv(rows, block_n) * 4 if need_bias else 0)
+
+    budget = CHUNK_SCRATCH_BYTES
+    v_pad = max(1, cdiv(v, block_v)) * block_v
+    min_cols = min(max(block_v, CHUNK_MIN_COLS // block_v * block_v), v_pad)
+    rows = max(n, 1)
+    if max_rows is not None and max_rows < rows:
+        rows = max(block_n, max_rows // block_n * block_n)
+    if min_cols * col_bytes(rows) > budget:
+        rows = max(block_n, budget // (min_cols * elt) // block_n * block_n)
+        while rows > block_n and min_cols * col_bytes(rows) > budget:
+            rows -= block_n
+    if rows < n:  # as few blocks as that allows, of equal size (a multiple of block_n)
+        rows = cdiv(cdiv(n, cdiv(n, rows)), block_n) * block_n
+    vc = max(block_v, budget // max(col_bytes(rows), 1) // block_v * block_v)
+    return rows, min(vc, v_pad)
+
 
 #: Scratch the 2x2 super-tile backward may use for its parked dz tiles (3 tiles per resident
 #: program); the program count is capped so that it stays within this.

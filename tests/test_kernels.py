@@ -315,18 +315,29 @@ def _check_fp32_grads(got, ref, rtol=1e-5):
         assert max_err(g, r) <= rtol * scale(r), (max_err(g, r), scale(r))
 
 
+#: Rows per row block of the ``"chunked-rows"`` test schedule: one interpreter token tile, so that
+#: N = 20 / 33 / 40 walk 2 / 3 / 3 row blocks (the last one ragged, N not a multiple of BLOCK_N) as
+#: a large N does on a GPU (where a row block is thousands of rows).
+CHUNK_ROWS = 16
+
+
 def _schedule(schedule, deterministic):
-    """``"kernels"``: the schedule without scratch for ``deterministic`` (owner-computes kernels if
-    True, one program per tile pair with atomics if False); else ``schedule`` itself."""
+    """grads() keywords of a test schedule. ``"kernels"``: the schedule without scratch for
+    ``deterministic`` (owner-computes kernels if True, one program per tile pair with atomics if
+    False); ``"chunked-rows"``: the chunked schedule with row blocks of ``CHUNK_ROWS`` rows; else
+    ``_schedule=schedule``."""
     if schedule == "kernels":
-        return "owner" if deterministic else "tiles"
-    return schedule
+        return dict(_schedule="owner" if deterministic else "tiles")
+    if schedule == "chunked-rows":
+        return dict(_schedule="chunked", _chunk_rows=CHUNK_ROWS)
+    return dict(_schedule=schedule)
 
 
-# Each backward test runs the chunked schedule (the default where its scratch fits: dz stored per
-# vocab chunk, torch GEMMs) and the scratch-free kernels (atomic per-tile, or owner-computes when
-# deterministic); the interpreter's 64-column chunks make the tests' shapes walk several chunks.
-BWD_SCHEDULES = ["chunked", "kernels"]
+# Each backward test runs the chunked schedule (the default: dz stored per vocab chunk and row
+# block, torch GEMMs), once with every row in one block and once in several row blocks, and the
+# scratch-free kernels (atomic per-tile, or owner-computes when deterministic); the interpreter's
+# 64-column chunks make the tests' shapes walk several chunks.
+BWD_SCHEDULES = ["chunked", "chunked-rows", "kernels"]
 
 
 @pytest.mark.parametrize("schedule", BWD_SCHEDULES)
@@ -338,7 +349,7 @@ def test_grads_fp32_all_combinations(i, schedule):
     lse = shard_lse(*_cpu(h, w, b), softcap, temp).to(DEVICE)
     coef = make_coef(n, seed=i)
     det = bool(i % 2)
-    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, deterministic=det, _schedule=_schedule(schedule, det))
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, deterministic=det, **_schedule(schedule, det))
     ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, temp)
     _check_fp32_grads(got, ref)
 
@@ -355,7 +366,7 @@ def test_grads_half_no_worse_than_materialized(dtype, i, deterministic, schedule
     coef = make_coef(n, seed=i).cpu()
     sched = _schedule(schedule, deterministic)
     got = _run_grads(
-        h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp, deterministic=deterministic, _schedule=sched
+        h, w, b, t, lse.to(DEVICE), coef.to(DEVICE), vs, softcap, temp, deterministic=deterministic, **sched
     )
     ref = oracle_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
     mat = materialized_grads(hc, wc, bc, tc, lse, coef, vs, softcap, temp)
@@ -388,10 +399,56 @@ def test_grads_schedules_match_oracle(schedule, i):
     _check_fp32_grads(got, ref)
 
 
-@pytest.mark.parametrize("schedule", ["super", "chunked"])
+@pytest.mark.parametrize("filter_eps", [None, 0.0])
+@pytest.mark.parametrize("i", range(len(COMBOS)))
+def test_grads_chunked_row_blocks_match_oracle(i, filter_eps):
+    """The chunked schedule in row blocks (as at large N) gives the oracle's gradients with every
+    flag set: bias, softcap, temperature, vocab offset, GAMMA (label smoothing) in every row, and
+    filtering with eps = 0 (exact: it drops only all-zero tiles, and without a softcap GAMMA is
+    added analytically). N = 70, V = 200 with at most 32 rows per block are 3 row blocks (32, 32
+    and a ragged 6: N is not a multiple of the 16-row tile) x 4 vocab chunks (64, 64, 64, 8), so
+    dW and db add three row blocks per chunk and dH four chunks per row block."""
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = 70, 24, 200
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=90 + i)
+    lse = shard_lse(*_cpu(h, w, b), softcap, temp).to(DEVICE)
+    coef = make_coef(n, seed=i, zero_rows=(2, 5, 33, 69))
+    kw = dict(filter_eps=filter_eps, deterministic=bool(i % 2), _schedule="chunked", _chunk_rows=32)
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, **kw)
+    ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, temp)
+    _check_fp32_grads(got, ref)
+
+
+# NaN / inf hidden rows make NaN logits in the recompute (then selected away): numpy warns.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_chunked_row_blocks_zero_coef_rows_stay_out():
+    """Rows with all-zero coefficients whose hidden states are not finite stay out of dW / db in
+    every row block (the GEMMs read such rows of H as 0), and their dH is exactly 0: N = 40 in
+    row blocks of 16 (16, 16, 8), idle rows in each."""
+    n, d, v = 40, 16, 100
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=True, vocab_start=0, seed=14)
+    lse = shard_lse(*_cpu(h, w, b), None, 1.0).to(DEVICE)
+    coef = make_coef(n, zero_rows=(3, 17, 18, 35, 39))
+    idle = [3, 17, 18, 35, 39]
+    kw = dict(_schedule="chunked", _chunk_rows=16, deterministic=True)
+    dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, None, 1.0, **kw)
+    _check_fp32_grads((dh, dw, db), oracle_grads(*_cpu(h, w, b, t, lse, coef), 0, None, 1.0))
+    h2 = h.clone()
+    h2[idle[:3]] = float("nan")
+    h2[idle[3:]] = float("inf")
+    dh2, dw2, db2 = _run_grads(h2, w, b, t, lse, coef, 0, None, 1.0, **kw)
+    assert (dh2[idle] == 0).all()
+    # Bitwise: the same dz and the same GEMMs with the idle rows of H read as 0 instead of as themselves,
+    # which contribute 0 * h = 0 either way.
+    for x, y in ((dh2, dh), (dw2, dw), (db2, db)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("schedule", ["super", "chunked", "chunked-rows"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_schedules_filter_the_same_tiles(softcap, schedule):
-    """With filtering, the super-tile and the chunked schedules drop exactly the tiles the per-tile
+    """With filtering, the super-tile and the chunked schedules (in one or in 3 row blocks) drop
+    exactly the tiles the per-tile
     schedule drops (a dropped tile's dz is zeroed before it joins its partner / is stored): same
     gradients up to fp32 summation order (all sum the same bf16-rounded products in fp32; 1e-5 of
     the scale bounds the reordering of O(V) terms)."""
@@ -401,7 +458,7 @@ def test_schedules_filter_the_same_tiles(softcap, schedule):
     coef = make_coef(n, seed=3)
     coef[:, GAMMA] = 0.0  # with a softcap, a row with GAMMA != 0 keeps every tile it is in
     kw = dict(filter_eps=0.05)  # coarse on purpose, so that whole tiles are dropped
-    sup = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule=schedule, **kw)
+    sup = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, **_schedule(schedule, False), **kw)
     til = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule="tiles", **kw)
     exact = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, _schedule="tiles")
     assert any(max_err(a, e) > 0 for a, e in zip(til, exact)), "filter dropped nothing: test is vacuous"
@@ -439,7 +496,7 @@ def test_grads_zero_coef_rows_contribute_nothing(softcap, deterministic, filter_
     coef = make_coef(7, zero_rows=())
     coef[:, GAMMA] = 0.01  # label smoothing: the uniform term (analytic when filtering w/o softcap)
     coef[3:] = 0
-    kw = dict(deterministic=deterministic, filter_eps=filter_eps, _schedule=_schedule(schedule, deterministic))
+    kw = dict(deterministic=deterministic, filter_eps=filter_eps, **_schedule(schedule, deterministic))
     dh, dw, db = _run_grads(h, w, b, t, lse, coef, 0, softcap, 1.0, **kw)
     assert (dh[3:] == 0).all() and dh[:3].abs().sum() > 0
     h2 = h.clone()
@@ -462,15 +519,17 @@ def test_grads_n0():
         assert (dw == 0).all() and (db == 0).all() and dw.dtype == torch.float32
 
 
-@pytest.mark.parametrize("schedule", ["chunked", "owner"])
+@pytest.mark.parametrize("schedule", ["chunked", "chunked-rows", "owner"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grads_deterministic_is_bitwise_repeatable(dtype, schedule):
-    # 2 token tiles x 3 vocab tiles (ragged) x 2 D chunks (ragged) in the interpreter.
+    # 2 token tiles (2 row blocks with "chunked-rows") x 3 vocab tiles (ragged) x 2 D chunks (ragged)
+    # in the interpreter.
     h, w, b, t = make_inputs(20, 24, 70, dtype, bias=True, vocab_start=37, seed=11)
     lse = shard_lse(*_cpu(h, w, b), 4.0, 0.7).to(DEVICE)
     coef = make_coef(20)
-    a = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, _schedule=schedule)
-    c = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, _schedule=schedule)
+    sched = _schedule(schedule, True)
+    a = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, **sched)
+    c = _run_grads(h, w, b, t, lse, coef, 37, 4.0, 0.7, deterministic=True, **sched)
     for x, y in zip(a, c):
         assert torch.equal(x, y)
     # ... and agrees with the atomic schedule up to summation order.
@@ -479,28 +538,121 @@ def test_grads_deterministic_is_bitwise_repeatable(dtype, schedule):
         assert max_err(x, y) <= 1e-5 * scale(y)
 
 
-def test_schedule_choice_follows_the_scratch_budget():
-    """Without ``_schedule`` the chunked schedule runs wherever one 128-column dz chunk fits the
-    16 MB scratch budget (deterministic or not); beyond it, the per-tile kernel, or the
+def _plan_meta(n, deterministic, v=300, d=64, dtype=torch.bfloat16, **kw):
+    """backward.plan() on meta tensors (nothing runs): ``(dh, dw, db, launches)``."""
+    from cce_dist.kernels import backward as B
+
+    m = dict(device="meta")
+    h, w = torch.empty(n, d, dtype=dtype, **m), torch.empty(v, d, dtype=dtype, **m)
+    t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
+    opts = dict(need_hidden=True, need_weight=True, need_bias=False, deterministic=deterministic, **kw)
+    return B.plan(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
+
+
+def test_schedule_choice_is_chunked_at_any_n(monkeypatch):
+    """Without ``_schedule`` the chunked schedule runs at every N, deterministic or not (its row
+    blocks keep the scratch within budget: 70,000 and 131,072 bf16 tokens do not fit one 128-column
+    chunk of all rows); where it cannot run (``_chunked_fits`` False: too little free CUDA memory,
+    or deterministic algorithms without a pinned cuBLAS workspace) the per-tile kernel, or the
     owner-computes kernels when deterministic. The atomic schedules refuse ``deterministic``."""
     from cce_dist.kernels import backward as B
 
-    def first_kernel(n, deterministic, **kw):
-        m = dict(device="meta")
-        h, w = torch.empty(n, 64, dtype=torch.bfloat16, **m), torch.empty(300, 64, dtype=torch.bfloat16, **m)
-        t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
-        opts = dict(need_hidden=True, need_weight=True, need_bias=False, deterministic=deterministic, **kw)
-        *_, launches = B.plan(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
-        return launches[0][0]
+    def kernels(n, deterministic, **kw):
+        return {type(k) if isinstance(k, B._HostStep) else k for k, *_ in _plan_meta(n, deterministic, **kw)[3]}
 
-    small, big = 8192, 70_000  # 8192 x 128 x 2 B = 2 MB; 70000 x 128 x 2 B > 16 MB
-    assert first_kernel(small, False) is B._dz_store_kernel
-    assert first_kernel(small, True) is B._dz_store_kernel
-    assert first_kernel(big, False) is B._grads_fused_kernel
-    assert first_kernel(big, True) is B._grads_dh_kernel
+    chunked = {B._dz_store_kernel, B._HostStep}
+    for n in (8192, 70_000, 131_072):
+        for det in (False, True):
+            assert kernels(n, det) == chunked, (n, det)
     for schedule in ("tiles", "super"):
         with pytest.raises(ValueError, match="not deterministic"):
-            first_kernel(small, True, _schedule=schedule)
+            kernels(8192, True, _schedule=schedule)
+    monkeypatch.setattr(B, "_chunked_fits", lambda device, deterministic: False)
+    assert kernels(131_072, False) == {B._grads_fused_kernel}
+    assert kernels(131_072, True) == {B._grads_dh_kernel, B._grads_dw_kernel}
+
+
+def test_chunked_row_blocks_and_chunks_tile_the_shard():
+    """``_chunk_rows`` splits the tokens into equal row blocks of a multiple of BLOCK_N rows (the last
+    one ragged): N = 70 with at most 32 rows is 3 blocks (32, 32, 6; 70 / 3 rounded up to the 16-row
+    tile), each walked per vocab chunk (64, 64, 64, 8 of V = 200) in that order, the dz kernel on
+    views of the block's rows, its GEMMs on the same rows; one [32, 64] dz scratch for all."""
+    from cce_dist.kernels import backward as B
+
+    n, d, v = 70, 24, 200
+    *_, launches = _plan_meta(n, True, v=v, d=d, dtype=torch.float32, _chunk_rows=32)
+    dz = [(args, grid) for k, grid, args, _ in launches if k is B._dz_store_kernel]
+    steps = [args for k, _, args, _ in launches if isinstance(k, B._HostStep)]
+    assert len(launches) == 2 * len(dz)
+    want = [
+        (c0, c1, r0, r1)
+        for c0, c1 in ((0, 64), (64, 128), (128, 192), (192, 200))
+        for r0, r1 in ((0, 32), (32, 64), (64, 70))
+    ]
+    assert steps == want
+    for (args, grid), (c0, c1, r0, r1) in zip(dz, want):
+        hidden, weight, _, targets, lse, coef, scratch = args[:7]
+        assert hidden.storage_offset() == r0 * d and hidden.shape == (r1 - r0, d)
+        assert (targets.storage_offset(), lse.storage_offset(), coef.storage_offset()) == (r0, r0, 4 * r0)
+        assert weight.storage_offset() == c0 * d and weight.shape == (c1 - c0, d)
+        assert args[8:12] == (r1 - r0, c1 - c0, d, c0)  # N, V, D, vocab_start of the launch
+        assert scratch.shape == (32, 64) and grid == (-(-(r1 - r0) // 16) * -(-(c1 - c0) // 32),)
+    assert len({id(a[6]) for a, _ in dz}) == 1
+
+
+def test_chunked_scratch_stays_in_budget_at_any_n():
+    """With the GPU's own sizing (sm_90's backward config and no interpreter caps: planned on meta
+    tensors in a process without TRITON_INTERPRET, as the AOT test does), the default and the
+    deterministic backward at N = 131,072 (and 65,536, and a ragged 70,001 in fp32 with a bias) at
+    the paper's D and V pick the chunked schedule (no per-tile or owner-computes kernel), its row
+    blocks tile N in order with equal blocks of a multiple of BLOCK_N (the last one ragged), its
+    vocab chunks are CHUNK_MIN_COLS wide or wider (but the last), and the scratch it allocates (dz
+    and the db partial sums) stays within CHUNK_SCRATCH_BYTES (bytes counted, nothing launched)."""
+    code = textwrap.dedent("""
+        import json, sys, torch
+        from cce_dist.kernels import backward as B, config as C
+        props, d, v, out = C.KNOWN_DEVICES["sm_90"], 2304, 256000, []
+        for n, dtype, bias, det in [(131072, torch.bfloat16, True, True), (131072, torch.bfloat16, False, False),
+                                    (65536, torch.bfloat16, False, True), (70001, torch.float32, True, False)]:
+            m = dict(device="meta")
+            h, w = torch.empty(n, d, dtype=dtype, **m), torch.empty(v, d, dtype=dtype, **m)
+            b = torch.empty(v, dtype=dtype, **m) if bias else None
+            t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
+            *_, launches = B.plan(h, w, b, t, lse, coef, vocab_start=0, softcap=None, temperature=None,
+                                  need_hidden=True, need_weight=True, need_bias=bias, deterministic=det,
+                                  props=props, allow_tf32=True)
+            kernels = sorted({type(k).__name__ if isinstance(k, B._HostStep) else k.fn.__name__
+                              for k, *_ in launches})
+            dz = [(a, kw) for k, _, a, kw in launches if k is B._dz_store_kernel]
+            scratch = {id(x): x for a, kw in dz for x in (a[6], a[7] if kw["NEED_DB"] else None) if x is not None}
+            out.append(dict(
+                n=n, kernels=kernels, block_n=dz[0][1]["BLOCK_N"] if dz else 0,
+                scratch_bytes=sum(x.numel() * x.element_size() for x in scratch.values()),
+                blocks=[(a[0].storage_offset() // d, a[8], a[11], a[9]) for a, _ in dz],
+            ))
+        json.dump(dict(cases=out, budget=C.CHUNK_SCRATCH_BYTES, min_cols=C.CHUNK_MIN_COLS), sys.stdout)
+    """)
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    import json
+
+    res = json.loads(r.stdout)
+    v = 256000
+    for case in res["cases"]:
+        n, bn = case["n"], case["block_n"]
+        assert case["kernels"] == ["_HostStep", "_dz_store_kernel"], case["kernels"]
+        assert 0 < case["scratch_bytes"] <= res["budget"], case["scratch_bytes"]
+        chunks: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r0, rows, c0, cols in case["blocks"]:  # in launch order
+            chunks.setdefault((c0, cols), []).append((r0, rows))
+        spans = list(chunks)
+        assert [c0 for c0, _ in spans] == [0] + [c0 + cols for c0, cols in spans[:-1]] and sum(spans[-1]) == v
+        assert all(cols >= res["min_cols"] for _, cols in spans[:-1]), spans[:2]
+        for blocks in chunks.values():
+            nc = blocks[0][1]  # equal blocks of a multiple of BLOCK_N rows, in order, the last one ragged
+            assert len(blocks) > 1 and nc % bn == 0, (n, blocks[:2])
+            assert blocks == [(r0, min(nc, n - r0)) for r0 in range(0, n, nc)], (n, blocks[:3])
 
 
 # ------------------------------------------------------------------------------------------------
