@@ -215,8 +215,10 @@ def model(r: dict, g: dict) -> dict:
     t_atomic = atomic_bytes / ATOMIC_BPS
     bounds = {"tensor+elementwise": t_mma + t_elem, "hbm": t_hbm, "atomics": t_atomic}
     t = max(bounds.values())
+    executed = mma_flops
     if kern == "_dz_store_kernel":
         useful = 4 * logits * D  # the chunked backward's total, for the % of peak below
+        executed = mma_flops + 4 * logits * D  # the recompute plus the two torch GEMMs
         t += chunked_gemms(g, chunk_columns(bv))["t_ms"] / 1e3
     return dict(
         programs=programs,
@@ -234,6 +236,8 @@ def model(r: dict, g: dict) -> dict:
         est_ms=t * 1e3,
         bound=max(bounds, key=bounds.get),
         frac_peak=useful / t / g["peak_bf16"],
+        # flash-attention's convention: every MMA FLOP run, the backward's logit recompute included
+        frac_peak_executed=executed / t / g["peak_bf16"],
     )
 
 
@@ -424,6 +428,7 @@ def render(p: dict) -> str:
                     "est ms",
                     "bound",
                     "% of bf16 peak (useful FLOPs)",
+                    "% of bf16 peak (executed FLOPs)",
                 ],
                 [
                     [
@@ -439,6 +444,7 @@ def render(p: dict) -> str:
                         round(m["est_ms"], 2),
                         m["bound"],
                         round(100 * m["frac_peak"], 1),
+                        round(100 * m["frac_peak_executed"], 1),
                     ]
                     for r in p["kernels"]
                     for m in [r[gname]]
@@ -448,7 +454,7 @@ def render(p: dict) -> str:
         out += ["", f"### Backward schedules on {gname} (atomic traffic vs time)", ""]
         out.append(
             md_table(
-                ["schedule", "atomic GB", "scratch MB", "est ms", "% of peak", "note"],
+                ["schedule", "atomic GB", "scratch MB", "est ms", "% of peak (useful FLOPs)", "note"],
                 [
                     [
                         s["schedule"],
@@ -514,9 +520,12 @@ def main() -> None:
         f"(recompute kernel {chk['t_mma_ms'] + chk['t_elem_ms']:.1f} ms + the two torch GEMMs), "
         f"{100 * chk['frac_peak']:.0f}% of peak, against {bwd['est_ms']:.1f} ms for the per-tile fused kernel and "
         f"{det:.1f} ms for the owner-computes deterministic kernels: no atomics at all, so it is also what "
-        "deterministic=True runs. It stays below the 55% target: with 6 N*V*D FLOPs for 4 useful ones (the "
-        "recompute), 75% MMA efficiency caps any recompute schedule at 50%; the dH GEMMs (K = Vc = 1024) also "
-        "read and write the fp32 dH once per chunk (HBM-bound on H100 at this Vc).",
+        "deterministic=True runs. Counted in useful FLOPs (4 N*V*D) it stays below the 55% target: with 6 N*V*D "
+        "FLOPs for 4 useful ones (the recompute), 75% MMA efficiency caps any recompute schedule at 50%; the dH "
+        "GEMMs (K = Vc = 1024) also read and write the fp32 dH once per chunk (HBM-bound on H100 at this Vc). "
+        f"Counted as flash-attention counts its backward (every MMA FLOP run, recompute included) it is "
+        f"{100 * chk['frac_peak_executed']:.0f}% of peak; which count the 55% target means decides whether the "
+        "model meets it, so both columns are shown.",
         f"At N = {N_BIG:,} (a micro-batch of 8 x 8192 tokens) the dz of all rows no longer fits the scratch even "
         f"for a 128-column chunk, so the chunked schedule walks {big_chk['note'].split(':')[0]}: "
         f"{big_chk['est_ms']:.0f} ms on H100 against {big_tiles['est_ms']:.0f} ms for the per-tile kernel "
