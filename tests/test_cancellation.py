@@ -264,3 +264,85 @@ def test_distillation_softcap_gradient_where_tanh_saturates(impl):
         one,
     )
     _assert_within_2x_of_materialized(got, mat, exact)
+
+
+def _materialized_distillation(hs, ws, bs, ht, wt, t, *, divergence, temperature, hard_label_weight):
+    """Summed distillation loss (``T**2`` scaled, hard label mixed in, the JSD's beta = 1/2) with every step in the
+    leaves' dtype:
+    float64 is exact, float32 is the materialized program (``log_softmax`` forms ``(z - m) - log s``)."""
+    z1 = hs @ ws.T + bs
+    ls = torch.log_softmax(z1 / temperature, -1)
+    lt = torch.log_softmax(ht @ wt.T / temperature, -1)
+    if divergence == "kl":
+        div = (lt.exp() * (lt - ls)).sum(-1)
+    elif divergence == "reverse_kl":
+        div = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logaddexp(lt, ls) - torch.log(torch.tensor(2.0, dtype=lt.dtype))  # log((p_t + p_s) / 2)
+        div = 0.5 * (lt.exp() * (lt - lm)).sum(-1) + 0.5 * (ls.exp() * (ls - lm)).sum(-1)
+    ce = -torch.log_softmax(z1, -1).gather(1, t[:, None])[:, 0]
+    return ((1 - hard_label_weight) * temperature**2 * div + hard_label_weight * ce).sum()
+
+
+def _confident_head(favourite, gaps, offset, noise_h, noise_w):
+    """``(h [n, v + 2], w [v, v + 2])`` whose logits ``offset + gap_i * [j = favourite_i] + noise_h_i * noise_w_j``
+    are exact in float32 in any summation order (small integers and power-of-two fractions)."""
+    n, v = len(favourite), len(noise_w)
+    h = torch.zeros(n, v + 2)
+    h[:, 0] = 1.0
+    h[torch.arange(n), 1 + torch.tensor(favourite)] = torch.tensor(gaps)
+    h[:, -1] = torch.tensor(noise_h)
+    w = torch.zeros(v, v + 2)
+    w[:, 0] = offset
+    w[:, 1 : v + 1] = torch.eye(v)
+    w[:, -1] = torch.tensor(noise_w)
+    return h, w
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("divergence", ["kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("offset", [40.0, 200.0])
+@pytest.mark.parametrize("temperature, hard_label_weight", [(1.0, 0.0), (2.0, 0.5)])
+def test_distillation_of_confident_heads_with_large_logits(impl, divergence, offset, temperature, hard_label_weight):
+    """Every logit of both heads is ``offset`` (40 or 200) plus at most ~10, and both heads are confident
+    (p of the max entry 0.99 .. 0.9999 at the soft temperature, the teacher on the student's favourite in
+    half of the rows). The statistics round ``lse = m + log s`` to float32 at ulp(offset) (3.8e-6 at 40,
+    1.5e-5 at 200); a log-probability formed as ``z - lse`` (or ``exp(m - lse)``, ``lse - z_t``) carries
+    that absolute error into p ~ 1, where the materialized float32 program (``(z - m) - log s``) is exact
+    to ~1e-7. Loss and every student gradient must stay within 2x of that program's error against
+    float64, plus a floor of a few float32 roundings of the result."""
+    gaps = [temperature * x for x in (5.0, 6.5, 8.0, 9.25)]  # at the soft temperature: p_max 0.97 .. 0.9995
+    noise_w = [0.25, -0.5, 0.0, 0.75, -0.25, 0.5]
+    hs, ws = _confident_head([0, 3, 5, 1], gaps, offset, [1.0, -2.0, 0.5, 3.0], noise_w)
+    ht, wt = _confident_head([0, 2, 5, 4], gaps[::-1], offset, [-1.0, 0.5, 2.0, 1.0], noise_w[::-1])
+    bs = torch.tensor([0.0, 0.125, -0.25, 0.5, -0.125, 0.25])
+    t = torch.tensor([0, 3, 2, 1])  # the student's favourite but in the third row
+    kw = dict(divergence=divergence, temperature=temperature, hard_label_weight=hard_label_weight)
+
+    def results(fn, hs1, ws1, bs1):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (hs1, ws1, bs1)]
+        loss = fn(*leaves)
+        loss.backward()
+        return (loss.detach(),) + tuple(x.grad for x in leaves)
+
+    def lib(hs1, ws1, bs1):
+        targets = t if hard_label_weight else None
+        return linear_distillation(hs1, ws1, ht, wt, targets, student_bias=bs1, reduction="sum", impl=impl, **kw)
+
+    exact = results(
+        lambda a, b, c: _materialized_distillation(a, b, c, ht.double(), wt.double(), t, **kw),
+        hs.double(),
+        ws.double(),
+        bs.double(),
+    )
+    mat = results(lambda a, b, c: _materialized_distillation(a, b, c, ht, wt, t, **kw), hs, ws, bs)
+    got = results(lib, hs, ws, bs)
+    failures = []
+    for name, x, m, e in zip(("loss", "dH", "dW", "db"), got, mat, exact):
+        err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
+        floor = 4 * U32 * float(e.abs().max())
+        if not err <= 2 * err_mat + floor:
+            failures.append(
+                f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g} ({err / max(err_mat, floor):.3g}x)"
+            )
+    assert not failures, failures
