@@ -266,13 +266,12 @@ def test_distillation_softcap_gradient_where_tanh_saturates(impl):
     _assert_within_2x_of_materialized(got, mat, exact)
 
 
-def _materialized_distillation(hs, ws, bs, ht, wt, t, *, divergence, temperature, hard_label_weight):
+def _materialized_distillation(hs, ws, bs, ht, wt, bt, t, *, divergence, temperature, hard_label_weight):
     """Summed distillation loss (``T**2`` scaled, hard label mixed in, the JSD's beta = 1/2) with every step in the
-    leaves' dtype:
-    float64 is exact, float32 is the materialized program (``log_softmax`` forms ``(z - m) - log s``)."""
+    leaves' dtype: float64 is exact, float32 is the materialized program (``log_softmax`` forms ``(z - m) - log s``)."""
     z1 = hs @ ws.T + bs
     ls = torch.log_softmax(z1 / temperature, -1)
-    lt = torch.log_softmax(ht @ wt.T / temperature, -1)
+    lt = torch.log_softmax((ht @ wt.T + bt) / temperature, -1)
     if divergence == "kl":
         div = (lt.exp() * (lt - ls)).sum(-1)
     elif divergence == "reverse_kl":
@@ -284,19 +283,16 @@ def _materialized_distillation(hs, ws, bs, ht, wt, t, *, divergence, temperature
     return ((1 - hard_label_weight) * temperature**2 * div + hard_label_weight * ce).sum()
 
 
-def _confident_head(favourite, gaps, offset, noise_h, noise_w):
-    """``(h [n, v + 2], w [v, v + 2])`` whose logits ``offset + gap_i * [j = favourite_i] + noise_h_i * noise_w_j``
-    are exact in float32 in any summation order (small integers and power-of-two fractions)."""
+def _confident_head(favourite, gaps, noise_h, noise_w, bias):
+    """``(h [n, v + 1], w [v, v + 1], b [v])`` whose logits ``gap_i * [j = favourite_i] + noise_h_i * noise_w_j +
+    bias_j`` are exact in float32 in any summation order (small integers and power-of-two fractions; the bias
+    holds the large offset, so that no gradient is the sum of terms that large)."""
     n, v = len(favourite), len(noise_w)
-    h = torch.zeros(n, v + 2)
-    h[:, 0] = 1.0
-    h[torch.arange(n), 1 + torch.tensor(favourite)] = torch.tensor(gaps)
+    h = torch.zeros(n, v + 1)
+    h[torch.arange(n), torch.tensor(favourite)] = torch.tensor(gaps)
     h[:, -1] = torch.tensor(noise_h)
-    w = torch.zeros(v, v + 2)
-    w[:, 0] = offset
-    w[:, 1 : v + 1] = torch.eye(v)
-    w[:, -1] = torch.tensor(noise_w)
-    return h, w
+    w = torch.cat([torch.eye(v), torch.tensor(noise_w)[:, None]], 1)
+    return h, w, torch.tensor(bias)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -317,9 +313,9 @@ def test_distillation_of_confident_heads_with_large_logits(impl, divergence, off
     gaps = [temperature * x for x in (5.5, 7.0, 8.5, 10.0)]  # soft gaps: powers-of-two fractions, exact at T = 2
     t_gaps = [temperature * x for x in (10.0, 2.0, 7.0, 2.5)]
     noise_w = [0.25, -0.5, 0.0, 0.75, -0.25, 0.5]
-    hs, ws = _confident_head([0, 3, 5, 1], gaps, offset, [1.0, -2.0, 0.5, 3.0], noise_w)
-    ht, wt = _confident_head([0, 2, 5, 4], t_gaps, offset, [-1.0, 0.5, 2.0, 1.0], noise_w[::-1])
-    bs = torch.tensor([0.0, 0.125, -0.25, 0.5, -0.125, 0.25])
+    small = [0.0, 0.125, -0.25, 0.5, -0.125, 0.25]
+    hs, ws, bs = _confident_head([0, 3, 5, 1], gaps, [1.0, -2.0, 0.5, 3.0], noise_w, [offset + x for x in small])
+    ht, wt, bt = _confident_head([0, 2, 5, 4], t_gaps, [-1.0, 0.5, 2.0, 1.0], noise_w[::-1], [offset] * 6)
     t = torch.tensor([0, 3, 2, 1])  # the student's favourite but in the third row
     kw = dict(divergence=divergence, temperature=temperature, hard_label_weight=hard_label_weight)
 
@@ -331,15 +327,15 @@ def test_distillation_of_confident_heads_with_large_logits(impl, divergence, off
 
     def lib(hs1, ws1, bs1):
         targets = t if hard_label_weight else None
-        return linear_distillation(hs1, ws1, ht, wt, targets, student_bias=bs1, reduction="sum", impl=impl, **kw)
+        return linear_distillation(
+            hs1, ws1, ht, wt, targets, student_bias=bs1, teacher_bias=bt, reduction="sum", impl=impl, **kw
+        )
 
+    teacher64 = (ht.double(), wt.double(), bt.double())
     exact = results(
-        lambda a, b, c: _materialized_distillation(a, b, c, ht.double(), wt.double(), t, **kw),
-        hs.double(),
-        ws.double(),
-        bs.double(),
+        lambda a, b, c: _materialized_distillation(a, b, c, *teacher64, t, **kw), hs.double(), ws.double(), bs.double()
     )
-    mat = results(lambda a, b, c: _materialized_distillation(a, b, c, ht, wt, t, **kw), hs, ws, bs)
+    mat = results(lambda a, b, c: _materialized_distillation(a, b, c, ht, wt, bt, t, **kw), hs, ws, bs)
     got = results(lib, hs, ws, bs)
     failures = []
     for name, x, m, e in zip(("loss", "dH", "dW", "db"), got, mat, exact):
