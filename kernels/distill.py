@@ -184,13 +184,23 @@ def _online_pair(m_a, s_a, m_b, s_b, x, z_a, z_b, col_ok):
 
 
 @triton.jit
-def _log_mix(lt, ls, log_beta, log1m_beta):
-    """``log(beta p_t + (1 - beta) p_s)`` from ``lt = log p_t``, ``ls = log p_s`` (a logaddexp;
-    NaN only where both are -inf, which callers select out since there p_t = p_s = 0)."""
-    a = lt + log_beta
-    b = ls + log1m_beta
-    hi = tl.maximum(a, b)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+def _log_ratio(a, b, m_t, m_s, dl):
+    """``y = (b - a) - dl`` per element of the tiles ``a = z_t - m_t``, ``b = z_s - m_s`` (returned too) for the
+    per-row ``dl``: ``log p_s - log p_t`` with ``dl = log S_s - log S_t``, the JSD's ``log((1 - beta) p_s / (beta
+    p_t))`` with ``dl`` less ``log((1 - beta) / beta)``. Formed alike by the rows and the gradient kernels, so
+    the JSD's K and the gradient's ``ls - lm - K`` round alike."""
+    a = a - m_t[:, None]
+    b = b - m_s[:, None]
+    return a, b, (b - a) - dl[:, None]
+
+
+@triton.jit
+def _softplus_pair(y):
+    """``(softplus(y), softplus(-y))``, ``softplus(y) = log(1 + exp(y))``: with ``y`` of :func:`_log_ratio`,
+    ``log p_t - log M = -log beta - softplus(y)`` and ``log p_s - log M = -log(1 - beta) - softplus(-y)`` for
+    the mixture ``M = beta p_t + (1 - beta) p_s`` (no cancellation between ``log p`` and ``log M``)."""
+    soft = tl.log(1.0 + tl.exp(-tl.abs(y)))
+    return tl.maximum(y, 0.0) + soft, tl.maximum(-y, 0.0) + soft
 
 
 @triton.jit
@@ -405,10 +415,8 @@ def _distill_rows_kernel(
     pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     m_s, l_s = _row_norm(Norm, offs_n, row_ok, stride_norm, 0)
     m_t, l_t = _row_norm(Norm, offs_n, row_ok, stride_norm, 1)
-    # With a = z_t - m_t, b = z_s - m_s: y = (b - a) - dl is log p_s - log p_t (kl, reverse_kl) or
-    # log((1 - beta) p_s / (beta p_t)) (jsd), where lt - lm = -log beta - softplus(y) and
-    # ls - lm = -log(1 - beta) - softplus(-y). The sums are of e = exp(a) / exp(b); the caller multiplies by
-    # 1 / S. So one per-row number (dl) besides the maxima is live in the loop, not log S of both heads.
+    # The sums are of e = exp(z - M) (the caller multiplies by 1 / S), weighting functions of y (_log_ratio):
+    # one per-row number (dl) besides the maxima is live in the loop, not log S of both heads.
     dl = l_s - l_t
     if DIV == 2:
         dl = dl - (log1m_beta - log_beta)
@@ -419,9 +427,7 @@ def _distill_rows_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
         _c, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
-        a = z_t - m_t[:, None]
-        b = z_s - m_s[:, None]
-        y = (b - a) - dl[:, None]
+        a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
         if DIV == 0:
             et = tl.exp(a)
             r0 -= tl.sum(tl.where(ok & (et != 0.0), et * y, 0.0), axis=1)
@@ -431,9 +437,9 @@ def _distill_rows_kernel(
         else:
             et = tl.exp(a)
             es = tl.exp(b)
-            soft = tl.log(1.0 + tl.exp(-tl.abs(y)))  # softplus(y) = max(y, 0) + soft, softplus(-y) = max(-y, 0) + soft
-            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * (log_beta + (tl.maximum(y, 0.0) + soft)), 0.0), axis=1)
-            r1 -= tl.sum(tl.where(ok & (es != 0.0), es * (log1m_beta + (tl.maximum(-y, 0.0) + soft)), 0.0), axis=1)
+            sp, sp_neg = _softplus_pair(y)
+            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * (log_beta + sp), 0.0), axis=1)  # e_t (lt - lm)
+            r1 -= tl.sum(tl.where(ok & (es != 0.0), es * (log1m_beta + sp_neg), 0.0), axis=1)  # e_s (ls - lm)
 
     out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
     tl.store(out, r0, mask=row_ok)
@@ -547,17 +553,20 @@ def _dz_tile(
         dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     m_s, l_s = _row_norm(Norm, offs_n, row_ok, stride_norm, 0)
     m_t, l_t = _row_norm(Norm, offs_n, row_ok, stride_norm, 1)
-    ls = (z_s - m_s[:, None]) - l_s[:, None]
+    dl = l_s - l_t
+    if DIV == 2:
+        dl = dl - (log1m_beta - log_beta)
+    a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
+    ls = b - l_s[:, None]
     ps = tl.exp(ls)
-    lt = (z_t - m_t[:, None]) - l_t[:, None]
     if DIV == 0:
-        d = ps - tl.exp(lt)
+        d = ps - tl.exp(a - l_t[:, None])
     else:
         aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
-        if DIV == 1:
-            d = ls - lt
+        if DIV == 1:  # ls - lt from the log-probabilities (R, from the statistics pass, sums their products)
+            d = ls - (a - l_t[:, None])
         else:
-            d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
+            d = -(log1m_beta + _softplus_pair(y)[1])  # ls - lm
         d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
     dz += (g * soft_coef)[:, None] * d
     if HAS_CAP_S:
