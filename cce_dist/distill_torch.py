@@ -6,8 +6,8 @@ Per token chunk both heads' logits are formed (transposed, ``[V_local, n]`` floa
 1. row statistics (:mod:`cce_dist.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
    logits, the teacher's soft logits and, with a hard-label term, the student's logits at T=1,
    stacked ``[k * n, NUM_STATS]`` and combined over the group by ``reduce_stats``
-   (:meth:`cce_dist.parallel.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global lse's;
-2. with the global lse's every element's ``log p`` is known, so the divergence's per-row sums
+   (:meth:`cce_dist.parallel.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global max and sum;
+2. with the global statistics every element's ``log p`` is known, so the divergence's per-row sums
    (and the one auxiliary sum its gradient needs) are plain sums over vocab entries, combined by
    ``reduce_rows`` (:meth:`cce_dist.parallel.Comm.reduce_sum`).
 
@@ -20,9 +20,18 @@ gradients w.r.t. the student's soft logits ``z_s`` are
                   ``D = beta sum p_t (lt - lm) + (1-beta) K``;     ``dD/dz_s = (1-beta) p_s (ls - lm - K)``
 
 (the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
-``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) c_t s_t`` with
-``c = exp(m - lse)``, which lets it run in three blocks), and the hard term
-``CE = lse1 - z1_target`` (student logits at T=1) adds ``p1 - onehot``. The raw logits' gradient
+``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + (l_t - l_s) c_t s_t``, which lets it run in three
+blocks), and the hard term ``CE = (M1 - z1_target) + log S1`` (student logits at T=1) adds
+``p1 - onehot``.
+
+No log-probability is formed as ``z - lse``: ``lse = M + log S`` (global max M and sum S) is rounded
+at ulp(|lse|), an absolute error in every ``log p`` and a relative one in every ``p``, which near
+``p = 1`` with large logits (3.8e-6 at |lse| ~ 40) is 30-100x the materialized float32 program's
+(``log_softmax`` forms ``(z - M) - log S``). With this shard's row max ``m``,
+``log p = (z - m) + l`` and ``p = exp(z - m) * c`` with ``l = (m - M) - log S`` and
+``c = exp(m - M) / S`` (:func:`_normalizers`; ``1 / S`` on the shard that holds the max). With a
+hard-label term the student's soft logits are held relative to ``m1 / T`` (``m1`` its max at T=1),
+so that ``p1 = exp(z1 - m1) * c1`` is ``e_s**T * c1`` for any T. The raw logits' gradient
 is then chained through ``1/T`` and the softcap. Backward (per-row upstream gradients) recomputes
 a chunk from the saved global statistics and rows: no collective but the caller's dH reduction.
 
@@ -115,6 +124,14 @@ def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
     return m
 
 
+def _normalizers(m: Tensor, glob: Tensor) -> tuple[Tensor, Tensor]:
+    """``(c, l)`` ``float32 [n]`` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
+    NUM_STATS]`` (max M, sum S): ``p = exp(z - m) * c`` and ``log p = (z - m) + l``, with ``c = exp(m - M) / S``
+    and ``l = (m - M) - log S`` (never through ``lse``: see the module docstring)."""
+    d = m - glob[:, S.MAX]
+    return torch.exp(d) / glob[:, S.SUMEXP], d - torch.log(glob[:, S.SUMEXP])
+
+
 def _rows_from(glob: Tensor, rows: Tensor, opts: DistillationOptions) -> Tensor:
     """The per-row divergence ``float32 [n]`` from the global pass-2 sums ``rows [n, n_rows]``."""
     if opts.divergence == "jsd":
@@ -152,11 +169,11 @@ def chunk(
     zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
     pt = buf.pt.view(n)
     t_rows = t_cols = None
-    if hard:  # the student's logits at T=1: lse1 and the target logit
+    m1 = None
+    if hard:  # the student's logits at T=1: their statistics and the target logit
         t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
         local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
-        m1 = _head_stats(zs, pt, local[2])
-        zs.add_(m1)
+        m1 = _head_stats(zs, pt, local[2])  # zs = z1 - m1: the soft logits below are taken relative to m1 / T
     if temp != 1.0:
         zs.div_(temp)
     a = None
@@ -166,27 +183,30 @@ def chunk(
         m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
         a = zt.sub_(zs).mul_(pt).sum(0)  # sum e_t (zt - zs), this shard's, relative to its maxima
         ps = zs.exp_()  # e_s, in place
-        local[0, :, S.MAX] = m_s
         local[0, :, S.SUMEXP] = ps.sum(0)
     else:
         ps = buf.ps.view(n)
         m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
         m_t = _head_stats(zt, pt, local[1])
+    m_s_rel = m_s  # the max of the held soft logits (relative to m1 / T with a hard-label term: 0)
+    if m1 is not None:
+        m_s = m_s + m1 / temp
+    local[0, :, S.MAX] = m_s
     s_t_local = local[1, :, S.SUMEXP].clone()
     glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
-    lse_s, lse_t = S.lse(glob[0]), S.lse(glob[1])
-    c_s, c_t = torch.exp(m_s - lse_s), torch.exp(m_t - lse_t)  # p = exp(z - m) * c
+    (c_s, l_s), (c_t, l_t) = _normalizers(m_s, glob[0]), _normalizers(m_t, glob[1])
     gs = wg = p1 = None
     if g is not None:
         gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp)
         if hard:
             wg = g * o.hard_label_weight
-            if temp != 1.0:  # p1 = exp(z1 - lse1) with z1 = T * (zs + m_s) = e_s**T * exp(T m_s - lse1); T=1: p_s
-                p1 = torch.pow(ps, temp).mul_(torch.exp(temp * m_s - S.lse(glob[2])))
+            if temp != 1.0:  # p1 = exp(z1 - m1) * c1 with exp(z1 - m1) = e_s**T * exp(T m_s_rel); T=1: p_s
+                assert m1 is not None
+                p1 = torch.pow(ps, temp).mul_(torch.exp(temp * m_s_rel) * _normalizers(m1, glob[2])[0])
     local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
     if o.divergence == "kl":
-        # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + ((m_t - lse_t) - (m_s - lse_s)) * c_t * s_t
-        local_rows[:, 0] = c_t * a + ((m_t - lse_t) - (m_s - lse_s)) * (c_t * s_t_local)
+        # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
+        local_rows[:, 0] = c_t * a + (l_t - l_s) * (c_t * s_t_local)
         rows = reduce_rows(local_rows)
         if g is None:
             return glob.transpose(0, 1), rows, None
@@ -197,15 +217,17 @@ def chunk(
             t_val = gs[t_cols] * (p_st - pt[t_rows, t_cols] * c_t[t_cols]) + wg[t_cols] * (p_st - 1.0)
         dz = ps.mul_(a_s).addcmul_(pt, -(c_t * gs))
     else:
-        zs.sub_(lse_s - m_s)  # log p_s
+        zs.add_(l_s)  # log p_s
         ps.mul_(c_s)  # p_s
-        zt.sub_(lse_t - m_t)
+        zt.add_(l_t)
         pt.mul_(c_t)
         if o.divergence == "reverse_kl":
             zs.sub_(zt)  # log p_s - log p_t
             local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
             rows = reduce_rows(local_rows)
-            dz = zs.sub_(rows[:, 0]).mul_(ps) if g is not None else None
+            # p_s (d - R) as p_s d - p_s R with the very p_s d that R sums: where the heads disagree confidently,
+            # d - R cancels at the student's max, and there so does the rounding of p_s d (not of d alone)
+            dz = zt.addcmul_(ps, rows[:, 0], value=-1.0) if g is not None else None
         else:
             lb, l1b = math.log(o.beta), math.log1p(-o.beta)
             lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
@@ -235,8 +257,9 @@ def loss_rows(heads: Heads, glob: Tensor, rows: Tensor, sl: slice) -> Tensor:
     """Per-row loss ``float32 [n]`` (0 where not valid) from a chunk's global stats and rows."""
     o = heads.opts
     loss = o.soft_scale * _rows_from(glob, rows, o)
-    if o.hard_label_weight > 0:
-        loss = loss + o.hard_label_weight * (S.lse(glob[:, 2]) - glob[:, 2, S.TARGET])
+    if o.hard_label_weight > 0:  # lse1 - z1_target = (M1 - z1_target) + log S1: not rounded at ulp(|lse1|)
+        h = glob[:, 2]
+        loss = loss + o.hard_label_weight * ((h[:, S.MAX] - h[:, S.TARGET]) + torch.log(h[:, S.SUMEXP]))
     return torch.where(heads.valid[sl], loss, torch.zeros_like(loss))
 
 

@@ -5,7 +5,7 @@ per-row statistics ``[N, k, NUM_STATS]``, per-row sums ``[N, n_rows]`` and float
 over all tokens at once instead of token chunks: the kernels hold one logit tile per head per
 program, never a ``[N, V]`` block, so there is nothing to chunk. A forward is one statistics
 launch (for either KL it also forms the cross sum its divergence needs), one ``reduce_stats``,
-for the JSD a second launch (its ``log M`` needs both global lse's), and one ``reduce_rows``; the
+for the JSD a second launch (its ``log M`` needs both heads' global statistics), and one ``reduce_rows``; the
 gradients are one launch that recomputes both heads' tiles from the global statistics and adds the products
 with float atomics, or with ``deterministic`` two launches without atomics (bitwise repeatable).
 
@@ -44,11 +44,6 @@ def _geometry(heads: Heads) -> dict:
     return dict(softcap=(o.student_softcap, o.teacher_softcap), temperature=o.temperature)
 
 
-def _lse(stats: Tensor) -> Tensor:
-    """``float32 [N, k]``: the lse of each statistics block of ``stats [N, k, NUM_STATS]``."""
-    return stats[..., S.MAX] + torch.log(stats[..., S.SUMEXP])
-
-
 def _tensors(heads: Heads) -> tuple:
     return heads.hs, heads.ws, heads.bs, heads.ht, heads.wt, heads.bt
 
@@ -59,7 +54,7 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     return _kd().grads(
         *_tensors(heads),
         heads.targets,
-        _lse(stats),
+        _kd().norms(stats),  # each head's max and log S: log p = (z - M) - log S, never z - lse
         rows[:, -1],  # reverse_kl: R; jsd: K; kl: unused
         g,
         vocab_start=heads.vocab_start,
@@ -102,11 +97,11 @@ def forward(
         *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, cross=cross, **_geometry(heads)
     )  # [k, n, NUM_STATS]
     stats = reduce_stats(local.reshape(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS).transpose(0, 1)
-    lse = _lse(stats)
+    norm = kd.norms(stats)
     if cross is not None:
-        local_rows = kd.cross_rows(slabs, lse, cross=cross)
-    else:  # the JSD's log M needs both global lse's: a second pass over the tiles
-        local_rows = kd.rows(*_tensors(heads), lse, divergence=o.divergence, beta=o.beta, **_geometry(heads))
+        local_rows = kd.cross_rows(slabs, norm, cross=cross)
+    else:  # the JSD's log M needs both heads' global statistics: a second pass over the tiles
+        local_rows = kd.rows(*_tensors(heads), norm, divergence=o.divergence, beta=o.beta, **_geometry(heads))
     rows = reduce_rows(local_rows)
     loss = DT.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None

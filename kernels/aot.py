@@ -342,17 +342,17 @@ def distill_launches(
     ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias)
     k = 3 if hard else 2
     f32 = dict(dtype=torch.float32, device="meta")
-    lse, aux, g = torch.empty(n, k, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    norm, aux, g = torch.empty(n, k, 2, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     geo = dict(softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32)
     cross = None if divergence == "jsd" else divergence
     heads = (hs, ws, bs, ht, wt, bt)
     stats, _out = _kd.plan_stats(*heads, t, vocab_start=0, hard=hard, cross=cross, **geo)
     launches = [stats]
     if cross is None:
-        launches.append(_kd.plan_rows(*heads, lse, divergence=divergence, beta=0.5, **geo)[0])
+        launches.append(_kd.plan_rows(*heads, norm, divergence=divergence, beta=0.5, **geo)[0])
     coefs = dict(vocab_start=0, divergence=divergence, beta=0.5, soft_coef=0.5, hard_coef=0.5 if hard else 0.0)
     needs = dict(need_hidden=True, need_weight=True, need_bias=True, deterministic=deterministic)
-    *_grads, grads = _kd.plan_grads(*heads, t, lse, aux, g, **coefs, **needs, **geo)
+    *_grads, grads = _kd.plan_grads(*heads, t, norm, aux, g, **coefs, **needs, **geo)
     return launches + grads
 
 

@@ -12,21 +12,28 @@ Up to three launches, each over the same tiles (the teacher's tile is the one ex
 1. :func:`stats` -- per (token tile, vocab split) program, online MAX / SUMEXP of ``z_s`` and
    ``z_t`` and, with a hard-label term, of ``c_s`` (the student at T=1) with its TARGET value:
    ``float32 [k, N, NUM_STATS]`` (:mod:`cce_dist.stats` layout, k = 2 or 3), splits merged here.
-   The caller combines them over a group (``reduce_stats``) into global lse's. For the forward
+   The caller combines them over a group (``reduce_stats``) into the global statistics. For the forward
    (reverse) KL the same pass also forms ``sum e_t ((z_t - m_t) - (z_s - m_s))`` (or with s and t
    swapped) relative to the running maxima, which :func:`cross_rows` turns into the divergence's
-   per-row sum once the global lse's are known: one pass over the tiles for either KL.
+   per-row sum once the global statistics are known: one pass over the tiles for either KL.
 2. :func:`rows` -- the JSD only (its ``lm = log(beta p_t + (1 - beta) p_s)`` needs both global
-   lse's first): per-row sums ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)`` over this
+   statistics first): per-row sums ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)`` over this
    shard's vocab rows, ``float32 [N, 2]`` (:func:`rows` also computes either KL this way). The
    caller sums the per-row sums over a group (``reduce_rows``).
-3. :func:`grads` -- from the global lse's, the per-row sums and a per-row upstream gradient
+3. :func:`grads` -- from the global statistics, the per-row sums and a per-row upstream gradient
    ``g``: the gradient w.r.t. the student's raw logits, formed per tile, and its products
    ``dH_s += dz @ W_s``, ``dW_s += dz.T @ h_s``, ``db_s += colsum(dz)`` added to float32 outputs
    with ``tl.atomic_add`` (the pattern of :func:`.backward._grads_fused_kernel`; not bitwise
    repeatable), or with ``deterministic`` by a dH kernel owning token tiles and a dW / db kernel
    owning vocab tiles (load-add-store in a fixed order, as :mod:`.backward`'s deterministic mode).
    No teacher gradients.
+
+The later launches take the global statistics as :func:`norms`, each head's row max ``M`` and
+``log S``, and form every log-probability as ``(z - M) - log S`` (as ``log_softmax`` does), never
+``z - lse``: ``lse = M + log S`` rounded to float32 errs by up to ulp(|lse|) (3.8e-6 at |lse| ~ 40),
+an absolute error in every ``log p`` and a relative one in every ``p``, 30-100x the materialized
+float32 program's near ``p = 1`` with large logits. Two per-row numbers per head instead of one
+(a float64 lse would take the same registers and float64 arithmetic on every tile element).
 
 No autograd and no torch.distributed here: :mod:`cce_dist.distill_triton` passes the reductions.
 """
@@ -177,13 +184,30 @@ def _online_pair(m_a, s_a, m_b, s_b, x, z_a, z_b, col_ok):
 
 
 @triton.jit
-def _log_mix(lt, ls, log_beta, log1m_beta):
-    """``log(beta p_t + (1 - beta) p_s)`` from ``lt = log p_t``, ``ls = log p_s`` (a logaddexp;
-    NaN only where both are -inf, which callers select out since there p_t = p_s = 0)."""
-    a = lt + log_beta
-    b = ls + log1m_beta
-    hi = tl.maximum(a, b)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+def _log_ratio(a, b, m_t, m_s, dl):
+    """``y = (b - a) - dl`` per element of the tiles ``a = z_t - m_t``, ``b = z_s - m_s`` (returned too) for the
+    per-row ``dl``: ``log p_s - log p_t`` with ``dl = log S_s - log S_t``, the JSD's ``log((1 - beta) p_s / (beta
+    p_t))`` with ``dl`` less ``log((1 - beta) / beta)``. Formed alike by the rows and the gradient kernels, so
+    the JSD's K and the gradient's ``ls - lm - K`` round alike."""
+    a = a - m_t[:, None]
+    b = b - m_s[:, None]
+    return a, b, (b - a) - dl[:, None]
+
+
+@triton.jit
+def _softplus_pair(y):
+    """``(softplus(y), softplus(-y))``, ``softplus(y) = log(1 + exp(y))``: with ``y`` of :func:`_log_ratio`,
+    ``log p_t - log M = -log beta - softplus(y)`` and ``log p_s - log M = -log(1 - beta) - softplus(-y)`` for
+    the mixture ``M = beta p_t + (1 - beta) p_s`` (no cancellation between ``log p`` and ``log M``)."""
+    soft = tl.log(1.0 + tl.exp(-tl.abs(y)))
+    return tl.maximum(y, 0.0) + soft, tl.maximum(-y, 0.0) + soft
+
+
+@triton.jit
+def _row_norm(Norm, offs_n, row_ok, stride_norm, HEAD: tl.constexpr):
+    """Head ``HEAD``'s global row max ``M`` and ``log S`` from ``Norm`` (:func:`norms`): ``log p = (z - M) - log S``."""
+    at = Norm + offs_n * stride_norm + 2 * HEAD
+    return tl.load(at, mask=row_ok, other=0.0), tl.load(at + 1, mask=row_ok, other=0.0)
 
 
 @triton.jit
@@ -204,7 +228,7 @@ def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
 # (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b), passed whole; ``geo`` =
 # (N, V, cap_s, cap_t, temperature), ``flags`` = (HAS_BS, ..., USE_LIBDEVICE), ``cfg`` = (PREC_S,
 # PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D) for _tiles; in the gradient kernels ``src``
-# = (Targets, LSE, Aux, G, stride_t, stride_ln) and ``coefs`` = (vocab_start, log_beta, ..., DIV,
+# = (Targets, Norm, Aux, G, stride_t, stride_norm) and ``coefs`` = (vocab_start, log_beta, ..., DIV,
 # HARD) for _dz_tile, and the product operands ``(X, offs, ok, stride_row, stride_col)`` and ``mm``.
 # As in :mod:`.backward`, the tuples are annotated ``tl.constexpr`` only so that Triton keeps their
 # constexpr members (flags, block sizes, strides specialized to 1) as they are; S and T, unpacked by
@@ -270,7 +294,7 @@ def _distill_stats_kernel(
         over its split [pid_s * v_per_split, ...) of the vocab (v_per_split a multiple of BLOCK_V).
     CROSS (constexpr): 1 (forward KL) / 2 (reverse KL): also the cross sum of :func:`_online_pair`
         in column CROSS_COL of block 0, with a = teacher, b = student (1) or the reverse (2); its
-        per-row divergence sum follows once the global lse's are known (:func:`cross_rows`). 0: none.
+        per-row divergence sum follows once the global statistics are known (:func:`cross_rows`). 0: none.
     cap_s, cap_t, temperature (float): used when HAS_CAP_S / HAS_CAP_T / HAS_TEMP.
     PREC_* / INTERP_* (constexpr): each head's dot precision and interpreter-bf16 flag.
     """
@@ -333,7 +357,7 @@ def _distill_rows_kernel(
     HT,
     WT,
     BT,
-    LSE,
+    Norm,
     Out,
     N,
     V,
@@ -354,7 +378,7 @@ def _distill_rows_kernel(
     stride_wtv,
     stride_wtd,
     stride_bt,
-    stride_ln,
+    stride_norm,
     stride_os,
     stride_on,
     DIV: tl.constexpr,
@@ -375,11 +399,13 @@ def _distill_rows_kernel(
     """
     Pass 2: the divergence's per-row sums over one vocab split.
 
-    LSE (pointer): fp32 [N, >= 2] global lse of z_s (column 0) and z_t (column 1), row stride
-    stride_ln. Out: fp32 [splits, N, 1 or 2] (column stride 1): DIV 0 (kl) ``sum p_t (lt - ls)``;
-    1 (reverse_kl) ``sum p_s (ls - lt)``; 2 (jsd) ``sum p_t (lt - lm)`` and ``sum p_s (ls - lm)``
-    with ``lm = log(beta p_t + (1 - beta) p_s)`` (``log_beta``, ``log1m_beta``: log beta, log(1 - beta)).
-    A zero probability contributes 0 (not 0 * inf). Other parameters as in :func:`_distill_stats_kernel`.
+    Norm (pointer): fp32 [N, >= 2, 2] (:func:`norms`): the global row max M and log S (S = sum exp(z - M)) of z_s
+    (head 0) and z_t (head 1), row stride stride_norm. Out: fp32 [splits, N, 1 or 2] (column stride 1), each sum
+    times the S of its weighting head (``p = e / S``, ``e = exp(z - M)``; :func:`rows` divides):
+    DIV 0 (kl) ``sum e_t (lt - ls)``; 1 (reverse_kl) ``sum e_s (ls - lt)``; 2 (jsd) ``sum e_t (lt - lm)`` and
+    ``sum e_s (ls - lm)`` with ``lm = log(beta p_t + (1 - beta) p_s)`` (``log_beta``, ``log1m_beta``: log beta,
+    log(1 - beta)). A zero probability contributes 0 (not 0 * inf). Other parameters as in
+    :func:`_distill_stats_kernel`.
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
@@ -387,8 +413,13 @@ def _distill_rows_kernel(
     flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
-    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
-    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
+    m_s, l_s = _row_norm(Norm, offs_n, row_ok, stride_norm, 0)
+    m_t, l_t = _row_norm(Norm, offs_n, row_ok, stride_norm, 1)
+    # The sums are of e = exp(z - M) (the caller multiplies by 1 / S), weighting functions of y (_log_ratio):
+    # one per-row number (dl) besides the maxima is live in the loop, not log S of both heads.
+    dl = l_s - l_t
+    if DIV == 2:
+        dl = dl - (log1m_beta - log_beta)
 
     r0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     r1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -396,20 +427,19 @@ def _distill_rows_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
         _c, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
-        ls = z_s - lse_s[:, None]
-        lt = z_t - lse_t[:, None]
+        a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
         if DIV == 0:
-            pt = tl.exp(lt)
-            r0 += tl.sum(tl.where(ok & (pt != 0.0), pt * (lt - ls), 0.0), axis=1)
+            et = tl.exp(a)
+            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * y, 0.0), axis=1)
         elif DIV == 1:
-            ps = tl.exp(ls)
-            r0 += tl.sum(tl.where(ok & (ps != 0.0), ps * (ls - lt), 0.0), axis=1)
+            es = tl.exp(b)
+            r0 += tl.sum(tl.where(ok & (es != 0.0), es * y, 0.0), axis=1)
         else:
-            lm = _log_mix(lt, ls, log_beta, log1m_beta)
-            pt = tl.exp(lt)
-            ps = tl.exp(ls)
-            r0 += tl.sum(tl.where(ok & (pt != 0.0), pt * (lt - lm), 0.0), axis=1)
-            r1 += tl.sum(tl.where(ok & (ps != 0.0), ps * (ls - lm), 0.0), axis=1)
+            et = tl.exp(a)
+            es = tl.exp(b)
+            sp, sp_neg = _softplus_pair(y)
+            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * (log_beta + sp), 0.0), axis=1)  # e_t (lt - lm)
+            r1 -= tl.sum(tl.where(ok & (es != 0.0), es * (log1m_beta + sp_neg), 0.0), axis=1)  # e_s (ls - lm)
 
     out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
     tl.store(out, r0, mask=row_ok)
@@ -475,11 +505,11 @@ def _dz_tile(
     cap_t,
     temperature,
     Targets,
-    LSE,
+    Norm,
     Aux,
     G,
     stride_t,
-    stride_ln,
+    stride_norm,
     vocab_start,
     log_beta,
     log1m_beta,
@@ -513,27 +543,30 @@ def _dz_tile(
     cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     c_s, z_s, z_t, slope_s = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
     if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
-        lse_1 = tl.load(LSE + offs_n * stride_ln + 2, mask=row_ok, other=0.0)
+        m_1, l_1 = _row_norm(Norm, offs_n, row_ok, stride_norm, 2)
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
-        p1 = tl.exp(c_s - lse_1[:, None])
+        p1 = tl.exp((c_s - m_1[:, None]) - l_1[:, None])
         hit = offs_v[None, :] == tgt[:, None]
         # at the target p1 - 1, exact near p1 = 1 (no cancellation against the other terms' scale)
         dz = (g * hard_coef)[:, None] * tl.where(hit, p1 - 1.0, p1)
     else:
         dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    lse_s = tl.load(LSE + offs_n * stride_ln, mask=row_ok, other=0.0)
-    lse_t = tl.load(LSE + offs_n * stride_ln + 1, mask=row_ok, other=0.0)
-    ls = z_s - lse_s[:, None]
+    m_s, l_s = _row_norm(Norm, offs_n, row_ok, stride_norm, 0)
+    m_t, l_t = _row_norm(Norm, offs_n, row_ok, stride_norm, 1)
+    dl = l_s - l_t
+    if DIV == 2:
+        dl = dl - (log1m_beta - log_beta)
+    a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
+    ls = b - l_s[:, None]
     ps = tl.exp(ls)
-    lt = z_t - lse_t[:, None]
     if DIV == 0:
-        d = ps - tl.exp(lt)
+        d = ps - tl.exp(a - l_t[:, None])
     else:
         aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
-        if DIV == 1:
-            d = ls - lt
+        if DIV == 1:  # ls - lt from the log-probabilities (R, from the statistics pass, sums their products)
+            d = ls - (a - l_t[:, None])
         else:
-            d = ls - _log_mix(lt, ls, log_beta, log1m_beta)
+            d = -(log1m_beta + _softplus_pair(y)[1])  # ls - lm
         d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
     dz += (g * soft_coef)[:, None] * d
     if HAS_CAP_S:
@@ -552,7 +585,7 @@ def _distill_grads_kernel(
     WT,
     BT,
     Targets,
-    LSE,
+    Norm,
     Aux,
     G,
     DH,
@@ -581,7 +614,7 @@ def _distill_grads_kernel(
     stride_wtd,
     stride_bt,
     stride_t,
-    stride_ln,
+    stride_norm,
     stride_dhn,
     stride_dwv,
     DIV: tl.constexpr,
@@ -608,7 +641,8 @@ def _distill_grads_kernel(
     """
     Student gradients over (token tile, vocab tile) pairs, grouped for L2 reuse; fp32 atomics.
 
-    LSE (pointer): fp32 [N, k] global lse's (z_s, z_t, and c_s when HARD). Aux: fp32 [N] the
+    Norm (pointer): fp32 [N, k, 2] (:func:`norms`): the global row max M and log S of z_s, z_t and, when HARD,
+    c_s. Aux: fp32 [N] the
     per-row sum the gradient needs (reverse_kl: R; jsd: K; unused for kl). G: fp32 [N] upstream
     gradient per row (0: the row contributes exactly 0). With ``gs = G * soft_coef`` (soft_coef
     = soft scale x (1 - beta for jsd) / T) and ``wg = G * hard_coef``:
@@ -624,7 +658,7 @@ def _distill_grads_kernel(
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
     coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
     flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
@@ -654,7 +688,7 @@ def _distill_dh_kernel(
     WT,
     BT,
     Targets,
-    LSE,
+    Norm,
     Aux,
     G,
     DH,
@@ -683,7 +717,7 @@ def _distill_dh_kernel(
     stride_wtd,
     stride_bt,
     stride_t,
-    stride_ln,
+    stride_norm,
     stride_dhn,
     stride_dwv,
     DIV: tl.constexpr,
@@ -715,7 +749,7 @@ def _distill_dh_kernel(
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
     coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
     flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
@@ -739,7 +773,7 @@ def _distill_dw_kernel(
     WT,
     BT,
     Targets,
-    LSE,
+    Norm,
     Aux,
     G,
     DH,
@@ -768,7 +802,7 @@ def _distill_dw_kernel(
     stride_wtd,
     stride_bt,
     stride_t,
-    stride_ln,
+    stride_norm,
     stride_dhn,
     stride_dwv,
     DIV: tl.constexpr,
@@ -800,7 +834,7 @@ def _distill_dw_kernel(
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
     geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, LSE, Aux, G, stride_t, stride_ln)
+    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
     coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
     flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
@@ -989,7 +1023,7 @@ def plan_rows(
     ht,
     wt,
     bt,
-    lse,
+    norm,
     *,
     divergence,
     beta,
@@ -1000,15 +1034,15 @@ def plan_rows(
     _splits=None,
     _blocks=None,
 ):
-    """Pass 2 without launching: ``((kernel, grid, args, kwargs), out [splits, N, n_rows])``.
-    Arguments as in :func:`rows`."""
+    """Pass 2 without launching: ``((kernel, grid, args, kwargs), out [splits, N, n_rows])`` (the per-split sums
+    times S, see :func:`_distill_rows_kernel`). Arguments as in :func:`rows`."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
     jsd = divergence == "jsd"
     splits = ln.splits(_splits)
     out = torch.empty(splits, ln.n, 2 if jsd else 1, dtype=torch.float32, device=hs.device)
-    args = (*ln.tensors, lse, out, *ln.sizes, *ln.scalars, *_log_mix_weights(beta), *ln.strides, lse.stride(0))
+    args = (*ln.tensors, norm, out, *ln.sizes, *ln.scalars, *_log_mix_weights(beta), *ln.strides, norm.stride(0))
     args += out.stride()[:2]
     grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(DIV=DIVERGENCES.index(divergence), **ln.flags, **ln.options)
@@ -1023,7 +1057,7 @@ def plan_grads(
     wt,
     bt,
     targets,
-    lse,
+    norm,
     aux,
     g,
     *,
@@ -1058,11 +1092,11 @@ def plan_grads(
     c = ln.cfg
     outs = tuple(x if x is not None else g for x in (dh, dw, db))  # g: never dereferenced (NEED_* False)
     coefs = (*_log_mix_weights(beta), float(soft_coef), float(hard_coef))
-    args = (*ln.tensors, targets, lse, aux, g, *outs, *ln.sizes, int(vocab_start), *ln.scalars, *coefs, *ln.strides)
-    args += (targets.stride(0), lse.stride(0), *(x.stride(0) if x is not None else 0 for x in (dh, dw)))
+    args = (*ln.tensors, targets, norm, aux, g, *outs, *ln.sizes, int(vocab_start), *ln.scalars, *coefs, *ln.strides)
+    args += (targets.stride(0), norm.stride(0), *(x.stride(0) if x is not None else 0 for x in (dh, dw)))
     kwargs = dict(
         DIV=DIVERGENCES.index(divergence),
-        HARD=lse.shape[1] > 2 and float(hard_coef) != 0.0,
+        HARD=norm.shape[1] > 2 and float(hard_coef) != 0.0,
         NEED_DH=dh is not None,
         NEED_DW=dw is not None,
         NEED_DB=db is not None,
@@ -1091,7 +1125,7 @@ def stats(
     MAX / SUMEXP of the student's soft logits (0), the teacher's (1) and with ``hard`` MAX / SUMEXP
     / TARGET of the student's logits at T=1 (2), the other columns 0. ``cross`` = ``"kl"`` or
     ``"reverse_kl"``: ``slabs`` are the per-split ``float32 [splits, 2, N, NUM_STATS]`` that
-    :func:`cross_rows` turns into this shard's divergence sums once the global lse's are known
+    :func:`cross_rows` turns into this shard's divergence sums once the global statistics are known
     (the same pass: no second launch for either KL); None: ``slabs`` is None.
 
     ``hs [N, D_s]`` / ``ws [V_local, D_s]`` / ``bs [V_local]`` or None: the student, one compute
@@ -1126,37 +1160,47 @@ def stats(
     return local, (out[:, :2] if cross is not None else None)
 
 
-def cross_rows(slabs, lse, *, cross):
+def norms(stats):
+    """``float32 [N, k, 2]``, what the later launches take of the global statistics ``stats float32 [N, k,
+    NUM_STATS]`` (:mod:`cce_dist.stats` layout, one block per head): per head the row max ``M`` and ``log S``,
+    ``S = sum exp(z - M)``, so that ``log p = (z - M) - log S`` is formed without the rounding of ``M + log S``."""
+    return torch.stack([stats[..., MAX], torch.log(stats[..., SUMEXP])], -1).to(torch.float32).contiguous()
+
+
+def cross_rows(slabs, norm, *, cross):
     """This shard's forward (``cross="kl"``) or reverse KL sums ``float32 [N, 1]`` from the split
-    ``slabs`` of :func:`stats` and the global ``lse float32 [N, >= 2]`` (student, teacher):
-    ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + ((m_a - lse_a) - (m_b - lse_b)) s_a)``
-    with ``c_a = exp(m_a - lse_a)``, a the weighting head (teacher for kl), per split maxima ``m``."""
+    ``slabs`` of :func:`stats` and the global ``norm float32 [N, >= 2, 2]`` (:func:`norms`; student,
+    teacher): ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + (l_a - l_b) s_a)`` with
+    ``l = (m - M) - log S`` (the log-probability at the split max ``m``) and ``c_a = exp(l_a)``, a the
+    weighting head (teacher for kl)."""
     ia = {"kl": 1, "reverse_kl": 0}[cross]
     ib = 1 - ia
     m_a, s_a, m_b = slabs[:, ia, :, MAX], slabs[:, ia, :, SUMEXP], slabs[:, ib, :, MAX]
     x = slabs[:, 0, :, CROSS_COL]
-    la, lb = lse[:, ia], lse[:, ib]
+    l_a = (m_a - norm[:, ia, 0]) - norm[:, ia, 1]
+    l_b = (m_b - norm[:, ib, 0]) - norm[:, ib, 1]
     empty = m_a == float("-inf")  # an empty split (or a head with no finite logit there) adds 0
-    c_a = torch.where(empty, 0.0, torch.exp(m_a - la))
-    term = c_a * (x + ((m_a - la) - (m_b - lb)) * s_a)
+    c_a = torch.where(empty, 0.0, torch.exp(l_a))
+    term = c_a * (x + (l_a - l_b) * s_a)
     return torch.where(empty, 0.0, term).sum(0)[:, None]
 
 
-def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature, _splits=None, _blocks=None):
+def rows(hs, ws, bs, ht, wt, bt, norm, *, divergence, beta, softcap, temperature, _splits=None, _blocks=None):
     """This shard's partial per-row divergence sums ``float32 [N, n_rows]`` (n_rows = 2 for jsd: the
-    teacher part ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)``; else 1) given ``lse float32
-    [N, >= 2]``, the global lse of the student's (column 0) and the teacher's (1) soft logits.
+    teacher part ``sum p_t (lt - lm)`` and ``K = sum p_s (ls - lm)``; else 1) given ``norm float32
+    [N, >= 2, 2]`` (:func:`norms`) of the global statistics of the student's (head 0) and the teacher's (1)
+    soft logits.
     Other arguments as in :func:`stats`."""
     n, v = hs.shape[0], ws.shape[0]
     width = 2 if divergence == "jsd" else 1
     if n == 0 or v == 0:
         return torch.zeros(n, width, dtype=torch.float32, device=hs.device)
-    lse = lse.to(torch.float32).contiguous()  # the kernel reads its columns at unit stride
+    norm = norm.to(torch.float32).contiguous()  # the kernel reads each row's entries at unit stride
     heads = (hs, ws, bs, ht, wt, bt)
-    _check(*heads, lse[:, 0], softcap)
+    _check(*heads, norm[:, 0, 0], softcap)
     (kernel, grid, args, kwargs), out = plan_rows(
         *heads,
-        lse,
+        norm,
         divergence=divergence,
         beta=beta,
         softcap=softcap,
@@ -1165,7 +1209,8 @@ def rows(hs, ws, bs, ht, wt, bt, lse, *, divergence, beta, softcap, temperature,
         _blocks=_blocks,
     )
     kernel[grid](*args, **kwargs)
-    return out.sum(0)
+    inv_s = torch.exp(-norm[:, :2, 1])  # 1 / S of the student (0) and the teacher (1)
+    return out.sum(0) * (inv_s[:, [1, 0]] if divergence == "jsd" else inv_s[:, 1 if divergence == "kl" else 0, None])
 
 
 def grads(
@@ -1176,7 +1221,7 @@ def grads(
     wt,
     bt,
     targets,
-    lse,
+    norm,
     aux,
     g,
     *,
@@ -1196,8 +1241,8 @@ def grads(
     """The student's float32 gradients ``(dh [N, D_s] partial over this shard, dw [V_local, D_s],
     db [V_local])`` of ``sum_i g_i * loss_i`` (None where not needed or without bias).
 
-    ``lse float32 [N, k]``: the global lse's of :func:`stats`' heads (column 2, the student at T=1,
-    only with a hard-label term); ``aux float32 [N]``: reverse_kl's R or jsd's K (global; ignored
+    ``norm float32 [N, k, 2]``: :func:`norms` of the global statistics of :func:`stats`' heads (head 2, the
+    student at T=1, only with a hard-label term); ``aux float32 [N]``: reverse_kl's R or jsd's K (global; ignored
     for kl); ``g float32 [N]`` per-row upstream gradient, 0 for rows without one. The loss is
     ``soft_coef * T / (1 - beta for jsd) * D + hard_coef * CE``: ``soft_coef`` already holds the
     divergence's scale, the jsd's ``1 - beta`` and ``1 / T``. ``deterministic``: no float atomics
@@ -1211,7 +1256,7 @@ def grads(
     dh, dw, db, launches = plan_grads(
         *heads,
         targets,
-        lse.to(torch.float32).contiguous(),
+        norm.to(torch.float32).contiguous(),
         aux.to(torch.float32).contiguous(),
         g.to(torch.float32).contiguous(),
         vocab_start=vocab_start,

@@ -372,3 +372,87 @@ def test_distillation_softcap_gradient_where_tanh_saturates(impl):
         one,
     )
     _assert_within_2x_of_materialized(got, mat, exact)
+
+
+def _materialized_distillation(hs, ws, bs, ht, wt, bt, t, *, divergence, temperature, hard_label_weight):
+    """Summed distillation loss (``T**2`` scaled, hard label mixed in, the JSD's beta = 1/2) with every step in the
+    leaves' dtype: float64 is exact, float32 is the materialized program (``log_softmax`` forms ``(z - m) - log s``)."""
+    z1 = hs @ ws.T + bs
+    ls = torch.log_softmax(z1 / temperature, -1)
+    lt = torch.log_softmax((ht @ wt.T + bt) / temperature, -1)
+    if divergence == "kl":
+        div = (lt.exp() * (lt - ls)).sum(-1)
+    elif divergence == "reverse_kl":
+        div = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logaddexp(lt, ls) - torch.log(torch.tensor(2.0, dtype=lt.dtype))  # log((p_t + p_s) / 2)
+        div = 0.5 * (lt.exp() * (lt - lm)).sum(-1) + 0.5 * (ls.exp() * (ls - lm)).sum(-1)
+    ce = -torch.log_softmax(z1, -1).gather(1, t[:, None])[:, 0]
+    return ((1 - hard_label_weight) * temperature**2 * div + hard_label_weight * ce).sum()
+
+
+def _confident_head(favourite, gaps, noise_h, noise_w, bias):
+    """``(h [n, v + 1], w [v, v + 1], b [v])`` whose logits ``gap_i * [j = favourite_i] + noise_h_i * noise_w_j +
+    bias_j`` are exact in float32 in any summation order (small integers and power-of-two fractions; the bias
+    holds the large offset, so that no gradient is the sum of terms that large)."""
+    n, v = len(favourite), len(noise_w)
+    h = torch.zeros(n, v + 1)
+    h[torch.arange(n), torch.tensor(favourite)] = torch.tensor(gaps)
+    h[:, -1] = torch.tensor(noise_h)
+    w = torch.cat([torch.eye(v), torch.tensor(noise_w)[:, None]], 1)
+    return h, w, torch.tensor(bias)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("divergence", ["kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("offset", [40.0, 200.0])
+# (0.75, 1.0): the hard label alone, its student logits at T = 1 held beside soft logits of a temperature
+# that is not a power of two (the soft terms have weight 0, so the fp32 program's rounding of z / T does not enter)
+@pytest.mark.parametrize("temperature, hard_label_weight", [(1.0, 0.0), (2.0, 0.5), (0.75, 1.0)])
+def test_distillation_of_confident_heads_with_large_logits(impl, divergence, offset, temperature, hard_label_weight):
+    """Every logit of both heads is ``offset`` (40 or 200) plus at most ~20, the student is confident in every
+    row (p of its max entry 0.975 .. 0.9993 at the soft temperature) and the teacher in two of them, on the
+    student's favourite (0.9996 and 0.995; elsewhere it leans to another entry, p 0.5 .. 0.7). The statistics round
+    ``lse = m + log s`` to float32 at ulp(offset) (3.8e-6 at 40, 1.5e-5 at 200); a log-probability formed as
+    ``z - lse`` (or ``exp(m - lse)``, ``lse - z_t``) carries that absolute error into p ~ 1, where the
+    materialized float32 program (``(z - m) - log s``) is exact to ~1e-7. Loss and every student gradient must
+    stay within 2x of that program's error against float64, plus a floor of a few float32 roundings of the
+    result. (Where the heads disagree confidently, reverse KL's ``p_s (log p_s - log p_t - R)`` cancels terms
+    of size R ~ 10 in every program: the teacher is not confident elsewhere, so that ulp(R) stays below the
+    error looked at here.)"""
+    gaps = [temperature * x for x in (5.5, 7.0, 8.5, 10.0)]  # soft gaps; exact in float32 at these T
+    t_gaps = [temperature * x for x in (10.0, 2.0, 7.0, 2.5)]
+    noise_w = [0.25, -0.5, 0.0, 0.75, -0.25, 0.5]
+    small = [0.0, 0.125, -0.25, 0.5, -0.125, 0.25]
+    hs, ws, bs = _confident_head([0, 3, 5, 1], gaps, [1.0, -2.0, 0.5, 3.0], noise_w, [offset + x for x in small])
+    ht, wt, bt = _confident_head([0, 2, 5, 4], t_gaps, [-1.0, 0.5, 2.0, 1.0], noise_w[::-1], [offset] * 6)
+    t = torch.tensor([0, 3, 2, 1])  # the student's favourite but in the third row
+    kw = dict(divergence=divergence, temperature=temperature, hard_label_weight=hard_label_weight)
+
+    def results(fn, hs1, ws1, bs1):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (hs1, ws1, bs1)]
+        loss = fn(*leaves)
+        loss.backward()
+        return (loss.detach(),) + tuple(x.grad for x in leaves)
+
+    def lib(hs1, ws1, bs1):
+        targets = t if hard_label_weight else None
+        return linear_distillation(
+            hs1, ws1, ht, wt, targets, student_bias=bs1, teacher_bias=bt, reduction="sum", impl=impl, **kw
+        )
+
+    teacher64 = (ht.double(), wt.double(), bt.double())
+    exact = results(
+        lambda a, b, c: _materialized_distillation(a, b, c, *teacher64, t, **kw), hs.double(), ws.double(), bs.double()
+    )
+    mat = results(lambda a, b, c: _materialized_distillation(a, b, c, ht, wt, bt, t, **kw), hs, ws, bs)
+    got = results(lib, hs, ws, bs)
+    failures = []
+    for name, x, m, e in zip(("loss", "dH", "dW", "db"), got, mat, exact):
+        err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
+        floor = 4 * U32 * float(e.abs().max())
+        if not err <= 2 * err_mat + floor:
+            failures.append(
+                f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g} ({err / max(err_mat, floor):.3g}x)"
+            )
+    assert not failures, failures
