@@ -290,7 +290,7 @@ def forward(
     stats = torch.empty(n, heads.n_stats, S.NUM_STATS, dtype=torch.float32, device=dev)
     rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=dev)
     grads = row_grad is not None and any(need)
-    acc = GradAccumulator(heads.hs, heads.ws, *need) if grads else None
+    acc = GradAccumulator(heads.hs, heads.ws, *need, heads.round_s) if grads else None
     buf = _Buffers(heads.ws.shape[0], min(step, max(n, 1)), dev)
     for sl in token_chunks(n, step):
         g = None
@@ -308,7 +308,7 @@ def forward(
 def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
     """The student's float32 gradients ``(dh partial, dw, db)`` of ``sum_i g_i * loss_i`` (no collective):
     each chunk is recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`."""
-    acc = GradAccumulator(heads.hs, heads.ws, *need)
+    acc = GradAccumulator(heads.hs, heads.ws, *need, heads.round_s)
     n = heads.hs.shape[0]
     if n == 0 or heads.ws.shape[0] == 0:
         return acc.result()

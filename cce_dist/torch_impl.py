@@ -203,10 +203,16 @@ def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
 
 
 class GradAccumulator:
-    """float32 accumulators for dH rows, dW and db, written in place where the dtype allows."""
+    """float32 accumulators for dH rows, dW and db, written in place where the dtype allows.
 
-    def __init__(self, hidden, weight, need_hidden, need_weight, need_bias):
+    ``round_to``: the bf16/fp16 compute dtype of float32 operands upcast from it (:func:`gemm_inputs`, a CPU
+    without native GEMMs of that dtype): ``dz`` is rounded to it before the GEMMs, the values a native GEMM (and
+    the Triton kernels, and the materialized program) would be given, and a chunk's dH rows are rounded to it as
+    the native GEMM's output is, so results do not depend on the CPU."""
+
+    def __init__(self, hidden, weight, need_hidden, need_weight, need_bias, round_to: torch.dtype | None = None):
         dev = hidden.device
+        self.round_to = round_to
         self.dh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
         # dW is written (not added) by the first chunk that reaches it: no zero-fill pass over [V, D].
         self.dw = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
@@ -219,11 +225,15 @@ class GradAccumulator:
             self.db.add_(dz.sum(1))
         low = weight.dtype != torch.float32
         dzc = dz.to(weight.dtype) if low else dz
+        if self.round_to is not None and not low:
+            dzc = dz.to(self.round_to).float()
         if self.dh is not None:
             if low:  # a complete sum over this shard's vocab in one GEMM: one rounding, as materialized
                 self.dh[sl] = torch.mm(dzc.t(), weight)
             else:
                 torch.mm(dzc.t(), weight, out=self.dh[sl])
+                if self.round_to is not None:  # the same rounding as the native GEMM's output
+                    self.dh[sl] = self.dh[sl].to(self.round_to)
         if self.dw is not None:
             first, self._dw_written = not self._dw_written, True
             # The chunk's sum over its tokens stays float32 (never rounded to the head dtype) before
@@ -329,12 +339,12 @@ def grads(
     Exact: ``filter_eps`` is accepted for interface parity and ignored; always deterministic.
     """
     del filter_eps, deterministic
-    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     if n_tokens == 0 or v_local == 0:
-        return acc.result()
+        return GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias).result()
     need_z = bool((coef[:, DELTA] != 0).any())
     hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
+    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias, round_to)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
     block = LogitsBlock(v_local, step, hidden.device)
     for sl in token_chunks(n_tokens, step):
@@ -401,11 +411,11 @@ def fused_cross_entropy(
     Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
     n_tokens = hidden.shape[0]
-    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias)
     loss = hidden.new_zeros(n_tokens, dtype=torch.float32)
     lse = hidden.new_zeros(n_tokens, dtype=torch.float32)
     block = LogitsBlock(weight.shape[0], min(chunk_tokens_, max(n_tokens, 1)), hidden.device)
     hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
+    acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias, round_to)
 
     def chunk(sl: slice) -> None:
         # A function per chunk, so its temporaries die before the next chunk starts.

@@ -682,6 +682,42 @@ def test_cpu_upcast_gemm_rounds_logits_to_compute_dtype(dtype, bias, monkeypatch
     torch.testing.assert_close(up[:, S.SUMEXP], got[True][:, S.SUMEXP], rtol=4 * torch.finfo(dtype).eps, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [None, 0.7])
+def test_cpu_upcast_gemm_rounds_dz_to_compute_dtype(dtype, softcap, monkeypatch):
+    """The gradient GEMMs of the upcast path must be given ``dz`` rounded to the compute dtype, as a native
+    bf16/fp16 GEMM (and the Triton kernels, and the materialized program) is: its float32 dH / dW then equal the
+    native path's up to float32 summation order (~1e-6 relative), where unrounded dz differed by the compute
+    dtype's resolution (found by the long fuzz run: an fp16 dW at 2.05x the materialized program's error, which
+    rounds dz). db sums the unrounded dz on both paths."""
+    from cce_dist import formulas, torch_impl
+    from cce_dist import stats as S
+
+    h, w, b, t = make_inputs(n=48, dtype=dtype, seed=43, bias=True, ignore_frac=0.0)
+    kw = dict(vocab_start=0, softcap=softcap, temperature=1.0)
+    got = {}
+    for native in (False, True):
+        monkeypatch.setattr(torch_impl, "_native_low_precision_gemm", lambda dt, native=native: native)
+        stats = torch_impl.row_stats(h, w, b, t, **kw, chunk_size=7 * V)
+        coef = formulas.logprob_coef(
+            stats, t >= 0, torch.randn(t.shape[0], generator=torch.Generator().manual_seed(1)), None
+        )
+        got[native] = torch_impl.grads(
+            h, w, b, t, S.lse(stats), coef, **kw, need_hidden=True, need_weight=True, need_bias=True, chunk_size=5 * V
+        )
+    (dh_up, *rest_up), (dh_nat, *rest_nat) = got[False], got[True]
+    # dH rows are one GEMM's output in the compute dtype on both paths (the same rounding as materialized): values
+    # of that dtype, equal up to a rounding flip where the float32 sums differ in their last bits
+    assert torch.equal(dh_up, dh_up.to(dtype).float()), "upcast dH was not rounded to the compute dtype"
+    ulp = torch.finfo(dtype).eps * dh_nat.abs()
+    assert ((dh_up - dh_nat).abs() <= ulp).all(), float((dh_up - dh_nat).abs().max())
+    for name, up, nat in zip(("dW", "db"), rest_up, rest_nat):
+        assert up.dtype == nat.dtype == torch.float32
+        scale = float(nat.abs().max())
+        err = float((up - nat).abs().max())
+        assert err <= 1e-5 * scale, f"{name}: upcast vs native {err:.3g} (max |grad| {scale:.3g})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-4}, {"softcap": 30.0}], ids=_id)
 def test_loss_nonnegative_logprob_nonpositive_large_logits(dtype, opts):
