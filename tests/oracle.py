@@ -17,16 +17,24 @@ Precision model (matches the library's contract):
   on the rounded logits; with ``dtype=torch.float64`` it runs in float64 (the exact reference,
   outputs float64).
 - Gradients flow back through the casts, so they arrive in each input tensor's own dtype.
+- ``contract`` (with ``dtype=torch.float64``): the float64 program *of the precision contract* for
+  compute dtype ``contract``: the inputs and the raw logits take the values the library rounds them
+  to (``hidden``/``bias`` cast to it, ``F.linear``'s result rounded to it), everything else is
+  float64, and gradients pass straight through those roundings (they are values the contract
+  fixes, not functions of the inputs). The materialized program in ``contract`` makes the same
+  roundings, so the errors of the two against this reference are the ones each adds beyond them.
 
 Public functions::
 
-    oracle_logits(hidden, weight, bias=None, *, softcap=None, temperature=1.0, dtype=float32)
+    oracle_logits(hidden, weight, bias=None, *, softcap=None, temperature=1.0, dtype=float32,
+                  contract=None)
     shift_targets(targets, shift, ignore_index)
     oracle_cross_entropy(hidden, weight, targets, bias=None, *, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         shift=False, dtype=torch.float32, return_lse=False)
+                         shift=False, dtype=torch.float32, return_lse=False, contract=None)
     oracle_logprobs(hidden, weight, targets, bias=None, *, ignore_index=-100, softcap=None,
-                    temperature=1.0, shift=False, dtype=torch.float32, return_entropy=False)
+                    temperature=1.0, shift=False, dtype=torch.float32, return_entropy=False,
+                    contract=None)
 
 Shapes follow cce_dist: ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]``,
 ``targets [...] == hidden.shape[:-1]`` (integer ids in ``[0, V)`` or ``ignore_index``).
@@ -49,6 +57,13 @@ def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
     return t.to(dtype)
 
 
+def _rounded(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` with the values of its rounding to ``dtype``, its gradient passed straight through."""
+    if t is None or dtype is None:
+        return t
+    return t + (t.to(dtype).to(t.dtype) - t).detach()
+
+
 def oracle_logits(
     hidden: Tensor,
     weight: Tensor,
@@ -57,10 +72,12 @@ def oracle_logits(
     softcap: float | None = None,
     temperature: float = 1.0,
     dtype: torch.dtype | None = torch.float32,
+    contract: torch.dtype | None = None,
 ) -> Tensor:
     """Materialized logits ``[..., V]``: ``softcap(linear(h, W, b) rounded to dtype) / T``, float32 (float64 for
-    ``dtype=torch.float64``)."""
-    z = F.linear(_cast(hidden, dtype), _cast(weight, dtype), _cast(bias, dtype))
+    ``dtype=torch.float64``; ``contract``: see the module docstring)."""
+    hidden, weight, bias = (_rounded(_cast(x, dtype), contract) for x in (hidden, weight, bias))
+    z = _rounded(F.linear(hidden, weight, bias), contract)
     z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -105,6 +122,7 @@ def oracle_cross_entropy(
     shift: bool | int = False,
     dtype: torch.dtype | None = torch.float32,
     return_lse: bool = False,
+    contract: torch.dtype | None = None,
 ):
     """Reference of ``cce_dist.linear_cross_entropy`` (same keywords; see the module docstring).
 
@@ -113,7 +131,7 @@ def oracle_cross_entropy(
     float32 per-token ``logsumexp(z_i)`` (targets' shape, computed for every token).
     """
     t = shift_targets(targets, shift, ignore_index).long()
-    z = oracle_logits(hidden, weight, bias, softcap=softcap, dtype=dtype)  # [..., V] float32
+    z = oracle_logits(hidden, weight, bias, softcap=softcap, dtype=dtype, contract=contract)  # [..., V] float32
     v = z.shape[-1]
     z2 = z.reshape(-1, v)
     t1 = t.reshape(-1)
@@ -140,13 +158,14 @@ def oracle_logprobs(
     shift: bool | int = False,
     dtype: torch.dtype | None = torch.float32,
     return_entropy: bool = False,
+    contract: torch.dtype | None = None,
 ):
     """Reference of ``cce_dist.linear_logprobs``: ``log_softmax(z)[t]`` and ``-sum p log p``.
 
     Both are float32 with targets' shape and 0 at ignored positions.
     """
     t = shift_targets(targets, shift, ignore_index).long()
-    z = oracle_logits(hidden, weight, bias, softcap=softcap, temperature=temperature, dtype=dtype)
+    z = oracle_logits(hidden, weight, bias, softcap=softcap, temperature=temperature, dtype=dtype, contract=contract)
     v = z.shape[-1]
     logp = torch.log_softmax(z.reshape(-1, v), dim=-1)
     t1 = t.reshape(-1)
