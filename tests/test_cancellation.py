@@ -306,10 +306,11 @@ def test_distillation_hard_label_gradient_of_a_confident_token(temperature):
         assert ((got.double() - ref).abs() <= 1e-5 * ref.abs().max()).all(), (got, ref)
 
 
-def _assert_within_2x_of_materialized(got, mat, exact) -> None:
-    """(dH, dW[, db]) of the library no farther from the float64 ``exact`` than 2x the materialized fp32 ``mat``, plus a
-    floor of a few float32 roundings of the largest entry (both can be exact to the last bit)."""
-    for name, x, m, e in zip(("dH", "dW", "db"), got, mat, exact):
+def _assert_within_2x_of_materialized(got, mat, exact, names=("dH", "dW", "db")) -> None:
+    """Each of ``got`` (named by ``names``: by default dH, dW[, db]) no farther from the float64 ``exact`` than 2x the
+    materialized fp32 ``mat``, plus a floor of a few float32 roundings of the largest entry (both can be exact to the
+    last bit)."""
+    for name, x, m, e in zip(names, got, mat, exact):
         err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
         floor = 4 * U32 * float(e.abs().max())
         assert err <= 2 * err_mat + floor, f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g}"
@@ -429,30 +430,20 @@ def test_distillation_of_confident_heads_with_large_logits(impl, divergence, off
     t = torch.tensor([0, 3, 2, 1])  # the student's favourite but in the third row
     kw = dict(divergence=divergence, temperature=temperature, hard_label_weight=hard_label_weight)
 
-    def results(fn, hs1, ws1, bs1):
-        leaves = [x.detach().clone().requires_grad_(True) for x in (hs1, ws1, bs1)]
-        loss = fn(*leaves)
-        loss.backward()
-        return (loss.detach(),) + tuple(x.grad for x in leaves)
-
-    def lib(hs1, ws1, bs1):
-        targets = t if hard_label_weight else None
+    def lib(hs1, ws1, bs1, targets):
         return linear_distillation(
             hs1, ws1, ht, wt, targets, student_bias=bs1, teacher_bias=bt, reduction="sum", impl=impl, **kw
         )
 
-    teacher64 = (ht.double(), wt.double(), bt.double())
-    exact = results(
-        lambda a, b, c: _materialized_distillation(a, b, c, *teacher64, t, **kw), hs.double(), ws.double(), bs.double()
+    def materialized(teacher):
+        return lambda a, b, c, targets: _materialized_distillation(a, b, c, *teacher, targets, **kw)
+
+    one = torch.tensor(1.0)  # the upstream gradient of the scalar loss
+    exact = _rows_and_grads(
+        materialized((ht.double(), wt.double(), bt.double())), hs.double(), ws.double(), bs.double(), t, one
     )
-    mat = results(lambda a, b, c: _materialized_distillation(a, b, c, ht, wt, bt, t, **kw), hs, ws, bs)
-    got = results(lib, hs, ws, bs)
-    failures = []
-    for name, x, m, e in zip(("loss", "dH", "dW", "db"), got, mat, exact):
-        err, err_mat = float((x.double() - e).abs().max()), float((m.double() - e).abs().max())
-        floor = 4 * U32 * float(e.abs().max())
-        if not err <= 2 * err_mat + floor:
-            failures.append(
-                f"{name}: error {err:.3g} vs materialized fp32 {err_mat:.3g} ({err / max(err_mat, floor):.3g}x)"
-            )
-    assert not failures, failures
+    mat = _rows_and_grads(materialized((ht, wt, bt)), hs, ws, bs, t, one)
+    got = _rows_and_grads(lib, hs, ws, bs, t if hard_label_weight else None, one)
+    _assert_within_2x_of_materialized(
+        (got[0], *got[1]), (mat[0], *mat[1]), (exact[0], *exact[1]), names=("loss", "dH", "dW", "db")
+    )
