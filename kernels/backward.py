@@ -84,16 +84,11 @@ from ._common import (
     use_libdevice,
 )
 
-# The kernels hand the arguments they share with _dz_tile to it as tuples expanded in the call,
-# ``_dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)``, in _dz_tile's parameter order
-# (which mirrors the kernels'): ``src`` = (H, W, Bias, Targets, LSE, Coef), ``scal`` = (N, V, D,
-# vocab_start, softcap, temperature, filter_eps), ``strides`` = (stride_hn, ..., stride_ck),
-# ``flags`` = (HAS_BIAS, ..., USE_LIBDEVICE), ``cfg`` = (DOT_PRECISION, INTERP_BF16, BLOCK_N,
-# BLOCK_V, BLOCK_D); the gradient products likewise take ``(X, offs, ok, stride_row, stride_col)``
-# operands and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT). The tuples are annotated
-# ``tl.constexpr`` only so that Triton keeps their members as they are: a plain assignment turns
-# constexpr members (the flags, and strides the launcher specialized to 1) into runtime values.
-# Tensors in them stay tensors, so the compiled code is the same as with the arguments written out.
+# The kernels pass the arguments they share with _dz_tile and _add_products written out, in the
+# helpers' parameter order (which follows the kernels'), each such call kept on a few lines by
+# ``# fmt: skip``. Not as ``tl.constexpr`` tuples star-expanded in the call (``*flags``): Triton 3.6
+# and 3.7 reject starred arguments (3.8 accepts them), and a plain tuple would turn its constexpr
+# members (the flags, strides the launcher specialized to 1) into runtime values.
 
 
 @triton.jit
@@ -251,8 +246,7 @@ def _add_products(
     Rows of ``X*`` outside ``ok_*`` read as 0; ``A1`` None: a single product (``X1``... unused).
     ``Out``: fp32 with unit column stride; rows outside ``o_ok`` are neither read nor written.
     ``ATOMIC``: add with relaxed fp32 atomics (the output rows are shared), else load-add-store
-    (the calling program owns them). Callers pass each ``X`` as a tuple ``(X, offs, ok, stride_row,
-    stride_col)`` expanded in the call, and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)."""
+    (the calling program owns them). Each ``X`` comes with ``(offs, ok, stride_row, stride_col)``."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -292,7 +286,7 @@ def _add_products(
 
 
 # The kernels' parameter lists mirror each other (and plan(), which builds their arguments): each
-# names what it reads; the shared part is regrouped into the tuples above on entry.
+# names what it reads and passes the shared part on to the helpers as written out above.
 @triton.jit
 def _grads_fused_kernel(
     H,
@@ -351,28 +345,30 @@ def _grads_fused_kernel(
     filter_eps (float): threshold when FILTER. GROUP_N (constexpr): token tiles per L2 group.
     """
     pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
-    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
-    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
-    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
-    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
-    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = offs_n < N
     col_ok = offs_v < V
-    dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
+    dz, keep, active = _dz_tile(
+        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+        HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+    )  # fmt: skip
     if keep:
         if NEED_DB:
             tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
         dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-        mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
         if NEED_DH:
-            w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, True, *mm)
+            _add_products(
+                dzc, W, offs_v, col_ok, stride_wv, stride_wd, None, W, offs_v, col_ok, stride_wv, stride_wd, DH, offs_n,
+                row_ok, stride_dhn, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+            )  # fmt: skip
         if NEED_DW:
-            h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-            _add_products(tl.trans(dzc), *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, True, *mm)
+            _add_products(
+                tl.trans(dzc), H, offs_n, active, stride_hn, stride_hd, None, H, offs_n, active, stride_hn, stride_hd,
+                DW, offs_v, col_ok, stride_dwv, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -451,11 +447,6 @@ def _grads_super_kernel(
     num_sv = tl.cdiv(tl.cdiv(V, BLOCK_V), 2)
     tile = tl.arange(0, BLOCK_N).to(tl.int64)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)[None, :]
     slot = Scratch + pid.to(tl.int64) * (3 * BLOCK_N * BLOCK_V) + tile
-    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
-    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
-    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
-    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
-    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for st in range(pid, num_sn * num_sv, nprog):
         sn, sv = swizzle(st, num_sn, num_sv, GROUP_N)
         offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -466,40 +457,57 @@ def _grads_super_kernel(
         n1_ok = offs_n1 < N
         v0_ok = offs_v0 < V
         v1_ok = offs_v1 < V
-        w0: tl.constexpr = (W, offs_v0, v0_ok, stride_wv, stride_wd)
-        w1: tl.constexpr = (W, offs_v1, v1_ok, stride_wv, stride_wd)
-        mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
 
         # dz00, dz01: parked in slots 0 and 1 (dz01 also kept in registers for dH0).
-        dz, keep00, act0 = _dz_tile(offs_n0, offs_v0, *src, *scal, *strides, *flags, *cfg)
+        dz, keep00, act0 = _dz_tile(
+            offs_n0, offs_v0, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         dzc, db0 = _drop_filtered(dz, keep00, H.dtype.element_ty, INTERP_BF16)
         tl.store(slot, dzc.to(Scratch.dtype.element_ty))
-        dz, keep01, act0 = _dz_tile(offs_n0, offs_v1, *src, *scal, *strides, *flags, *cfg)
+        dz, keep01, act0 = _dz_tile(
+            offs_n0, offs_v1, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         dzc, db1 = _drop_filtered(dz, keep01, H.dtype.element_ty, INTERP_BF16)
         tl.store(slot + BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
         tl.debug_barrier()
         if NEED_DH:
             if keep00 | keep01:
                 a0 = tl.load(slot).to(dzc.dtype)
-                _add_products(a0, *w0, dzc, *w1, DH, offs_n0, n0_ok, stride_dhn, D, True, *mm)
+                _add_products(
+                    a0, W, offs_v0, v0_ok, stride_wv, stride_wd, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd, DH,
+                    offs_n0, n0_ok, stride_dhn, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+                )  # fmt: skip
 
         # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
-        dz, keep10, act1 = _dz_tile(offs_n1, offs_v0, *src, *scal, *strides, *flags, *cfg)
+        dz, keep10, act1 = _dz_tile(
+            offs_n1, offs_v0, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         dzc, db = _drop_filtered(dz, keep10, H.dtype.element_ty, INTERP_BF16)
         db0 += db
         tl.store(slot + 2 * BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
         tl.debug_barrier()
-        h0: tl.constexpr = (H, offs_n0, act0, stride_hn, stride_hd)
-        h1: tl.constexpr = (H, offs_n1, act1, stride_hn, stride_hd)
         if NEED_DB:
             tl.atomic_add(DB + offs_v0, db0, mask=v0_ok, sem="relaxed")
         if NEED_DW:
             if keep00 | keep10:
                 a0 = tl.trans(tl.load(slot).to(dzc.dtype))
-                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v0, v0_ok, stride_dwv, D, True, *mm)
+                _add_products(
+                    a0, H, offs_n0, act0, stride_hn, stride_hd, tl.trans(dzc), H, offs_n1, act1, stride_hn, stride_hd,
+                    DW, offs_v0, v0_ok, stride_dwv, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+                )  # fmt: skip
 
         # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
-        dz, keep11, act1 = _dz_tile(offs_n1, offs_v1, *src, *scal, *strides, *flags, *cfg)
+        dz, keep11, act1 = _dz_tile(
+            offs_n1, offs_v1, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         dzc, db = _drop_filtered(dz, keep11, H.dtype.element_ty, INTERP_BF16)
         db1 += db
         if NEED_DB:
@@ -507,11 +515,17 @@ def _grads_super_kernel(
         if NEED_DW:
             if keep01 | keep11:
                 a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
-                _add_products(a0, *h0, tl.trans(dzc), *h1, DW, offs_v1, v1_ok, stride_dwv, D, True, *mm)
+                _add_products(
+                    a0, H, offs_n0, act0, stride_hn, stride_hd, tl.trans(dzc), H, offs_n1, act1, stride_hn, stride_hd,
+                    DW, offs_v1, v1_ok, stride_dwv, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+                )  # fmt: skip
         if NEED_DH:
             if keep10 | keep11:
                 a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
-                _add_products(a0, *w0, dzc, *w1, DH, offs_n1, n1_ok, stride_dhn, D, True, *mm)
+                _add_products(
+                    a0, W, offs_v0, v0_ok, stride_wv, stride_wd, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd, DH,
+                    offs_n1, n1_ok, stride_dhn, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+                )  # fmt: skip
         tl.debug_barrier()  # every thread is done with the slots before the next super-tile
 
 
@@ -572,17 +586,16 @@ def _dz_store_kernel(
     unrounded dz (what the fused kernel adds to db), summed over tiles by the launcher in a fixed
     order. Other parameters as in :func:`_grads_fused_kernel`.
     """
-    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
-    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
-    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
-    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
-    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
-    dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
+    dz, keep, active = _dz_tile(
+        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+        HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+    )  # fmt: skip
     dz = tl.where(keep, dz, 0.0)
     if NEED_DB:
         tl.store(DBP + pid_n.to(tl.int64) * stride_dbp + offs_v, tl.sum(dz, axis=0), mask=col_ok)
@@ -636,20 +649,20 @@ def _grads_dh_kernel(
     pid = tl.program_id(0)
     offs_n = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_ok = offs_n < N
-    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
-    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
-    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
-    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
-    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
-        dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
+        dz, keep, active = _dz_tile(
+            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         if keep:
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
-            mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
-            w: tl.constexpr = (W, offs_v, col_ok, stride_wv, stride_wd)
-            _add_products(dzc, *w, None, *w, DH, offs_n, row_ok, stride_dhn, D, False, *mm)
+            _add_products(
+                dzc, W, offs_v, col_ok, stride_wv, stride_wd, None, W, offs_v, col_ok, stride_wv, stride_wd, DH, offs_n,
+                row_ok, stride_dhn, D, False, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+            )  # fmt: skip
 
 
 # The mirror image of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
@@ -705,22 +718,22 @@ def _grads_dw_kernel(
     offs_v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    src: tl.constexpr = (H, W, Bias, Targets, LSE, Coef)
-    scal: tl.constexpr = (N, V, D, vocab_start, softcap, temperature, filter_eps)
-    strides: tl.constexpr = (stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck)
-    flags: tl.constexpr = (HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE)
-    cfg: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        dz, keep, active = _dz_tile(offs_n, offs_v, *src, *scal, *strides, *flags, *cfg)
+        dz, keep, active = _dz_tile(
+            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
+            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         if keep:
             if NEED_DB:
                 db += tl.sum(dz, axis=0)
             if NEED_DW:
                 dzt = tl.trans(round_to(dz, H.dtype.element_ty, INTERP_BF16))
-                mm: tl.constexpr = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT)
-                h: tl.constexpr = (H, offs_n, active, stride_hn, stride_hd)
-                _add_products(dzt, *h, None, *h, DW, offs_v, col_ok, stride_dwv, D, False, *mm)
+                _add_products(
+                    dzt, H, offs_n, active, stride_hn, stride_hd, None, H, offs_n, active, stride_hn, stride_hd, DW,
+                    offs_v, col_ok, stride_dwv, D, False, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
+                )  # fmt: skip
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 

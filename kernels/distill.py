@@ -223,16 +223,10 @@ def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 # The kernels' parameter lists mirror each other (and the plan_* launchers, which build their
-# arguments alike): each names what it reads. On entry each regroups what it shares with the helpers
-# into tuples expanded in the calls, in the helpers' parameter order: ``S`` / ``T`` = each head's
-# (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b), passed whole; ``geo`` =
-# (N, V, cap_s, cap_t, temperature), ``flags`` = (HAS_BS, ..., USE_LIBDEVICE), ``cfg`` = (PREC_S,
-# PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D) for _tiles; in the gradient kernels ``src``
-# = (Targets, Norm, Aux, G, stride_t, stride_norm) and ``coefs`` = (vocab_start, log_beta, ..., DIV,
-# HARD) for _dz_tile, and the product operands ``(X, offs, ok, stride_row, stride_col)`` and ``mm``.
-# As in :mod:`.backward`, the tuples are annotated ``tl.constexpr`` only so that Triton keeps their
-# constexpr members (flags, block sizes, strides specialized to 1) as they are; S and T, unpacked by
-# _head_logits, are plain tuples.
+# arguments alike): each names what it reads. ``S`` / ``T`` = each head's (H, W, Bias, D, stride_hn,
+# stride_hd, stride_wv, stride_wd, stride_b) travel to the helpers as plain tuples passed whole (no
+# constexpr member; _head_logits unpacks them); everything else is written out in the helpers'
+# parameter order, as in :mod:`.backward` (Triton 3.6 and 3.7 reject star-expanded arguments).
 @triton.jit
 def _distill_stats_kernel(
     HS,
@@ -300,9 +294,6 @@ def _distill_stats_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     if HARD:
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
@@ -318,7 +309,10 @@ def _distill_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
-        c_s, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
+        c_s, z_s, z_t, _t = _tiles(
+            S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP,
+            USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         if CROSS == 1:  # forward KL: weighted by the teacher
             m_t, s_t, m_s, s_s, x = _online_pair(m_t, s_t, m_s, s_s, x, z_t, z_s, col_ok)
         elif CROSS == 2:  # reverse KL: by the student
@@ -409,9 +403,6 @@ def _distill_rows_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     pid_s, offs_n, row_ok, v_lo, v_hi = _split(N, V, BLOCK_N, BLOCK_V)
     m_s, l_s = _row_norm(Norm, offs_n, row_ok, stride_norm, 0)
     m_t, l_t = _row_norm(Norm, offs_n, row_ok, stride_norm, 1)
@@ -426,7 +417,10 @@ def _distill_rows_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         ok = row_ok[:, None] & (offs_v < v_hi)[None, :]
-        _c, z_s, z_t, _t = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
+        _c, z_s, z_t, _t = _tiles(
+            S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP,
+            USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
         if DIV == 0:
             et = tl.exp(a)
@@ -468,8 +462,7 @@ def _add_product(
     """``Out[offs_o, :D] += A @ X[offs_x, :D]``, ``BLOCK_D_OUT`` columns at a time: with fp32 atomics
     (ATOMIC, the fused backward's update) or by load-add-store (the deterministic kernels' update of
     rows they own). Rows of ``X`` outside ``x_ok`` read 0; rows of ``Out`` (fp32, unit column
-    stride) outside ``o_ok`` are neither read nor written. Callers pass ``X`` as a tuple ``(X, offs_x,
-    x_ok, stride_xr, stride_xc)`` and ``mm`` = (DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT), expanded.
+    stride) outside ``o_ok`` are neither read nor written.
 
     The operation of :func:`.backward._add_products` with one product, kept apart for what the
     compiler and the GPU make of it: the load-add-store here adds the product to the loaded rows
@@ -538,10 +531,10 @@ def _dz_tile(
     col_ok = offs_v < V
     g = tl.load(G + offs_n, mask=row_ok, other=0.0)
     active = row_ok & (g != 0.0)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
-    c_s, z_s, z_t, slope_s = _tiles(S, T, offs_n, offs_v, *geo, *flags, *cfg)
+    c_s, z_s, z_t, slope_s = _tiles(
+        S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP,
+        USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+    )  # fmt: skip
     if HARD:  # first, so that c_s is dead before the soft term's tiles are formed
         m_1, l_1 = _row_norm(Norm, offs_n, row_ok, stride_norm, 2)
         tgt = tl.load(Targets + offs_n * stride_t, mask=row_ok, other=-1).to(tl.int64) - vocab_start
@@ -657,25 +650,27 @@ def _distill_grads_kernel(
     pid_n, pid_v = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
-    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
-    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
-    dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
+    dz, active = _dz_tile(
+        S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, Targets, Norm, Aux, G, stride_t, stride_norm,
+        vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T,
+        HAS_TEMP, USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+    )  # fmt: skip
     if NEED_DB:
         tl.atomic_add(DB + offs_v, tl.sum(dz, axis=0), mask=col_ok, sem="relaxed")
     dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
     if NEED_DH:
-        w: tl.constexpr = (WS, offs_v, col_ok, stride_wsv, stride_wsd)
-        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, True, *mm)
+        _add_product(
+            dzc, WS, offs_v, col_ok, stride_wsv, stride_wsd, DH, offs_n, offs_n < N, stride_dhn, DS, True, PREC_S,
+            INTERP_S, BLOCK_D_OUT,
+        )  # fmt: skip
     if NEED_DW:
-        h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
-        _add_product(tl.trans(dzc), *h, DW, offs_v, col_ok, stride_dwv, DS, True, *mm)
+        _add_product(
+            tl.trans(dzc), HS, offs_n, active, stride_hsn, stride_hsd, DW, offs_v, col_ok, stride_dwv, DS, True, PREC_S,
+            INTERP_S, BLOCK_D_OUT,
+        )  # fmt: skip
 
 
 # Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
@@ -748,19 +743,19 @@ def _distill_dh_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
-    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
-    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        dz, _active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
+        dz, _active = _dz_tile(
+            S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, Targets, Norm, Aux, G, stride_t, stride_norm,
+            vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T,
+            HAS_TEMP, USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         dzc = round_to(dz, HS.dtype.element_ty, INTERP_S)
-        w: tl.constexpr = (WS, offs_v, offs_v < V, stride_wsv, stride_wsd)
-        _add_product(dzc, *w, DH, offs_n, offs_n < N, stride_dhn, DS, False, *mm)
+        _add_product(
+            dzc, WS, offs_v, offs_v < V, stride_wsv, stride_wsd, DH, offs_n, offs_n < N, stride_dhn, DS, False, PREC_S,
+            INTERP_S, BLOCK_D_OUT,
+        )  # fmt: skip
 
 
 # Parameter list: _distill_grads_kernel's (one argument list for the three gradient kernels).
@@ -833,24 +828,24 @@ def _distill_dw_kernel(
     """
     S = (HS, WS, BS, DS, stride_hsn, stride_hsd, stride_wsv, stride_wsd, stride_bs)
     T = (HT, WT, BT, DT, stride_htn, stride_htd, stride_wtv, stride_wtd, stride_bt)
-    geo: tl.constexpr = (N, V, cap_s, cap_t, temperature)
-    src: tl.constexpr = (Targets, Norm, Aux, G, stride_t, stride_norm)
-    coefs: tl.constexpr = (vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD)
-    flags: tl.constexpr = (HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
-    cfg: tl.constexpr = (PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
-    mm: tl.constexpr = (PREC_S, INTERP_S, BLOCK_D_OUT)
     offs_v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        dz, active = _dz_tile(S, T, offs_n, offs_v, *geo, *src, *coefs, *flags, *cfg)
+        dz, active = _dz_tile(
+            S, T, offs_n, offs_v, N, V, cap_s, cap_t, temperature, Targets, Norm, Aux, G, stride_t, stride_norm,
+            vocab_start, log_beta, log1m_beta, soft_coef, hard_coef, DIV, HARD, HAS_BS, HAS_BT, HAS_CAP_S, HAS_CAP_T,
+            HAS_TEMP, USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         if NEED_DB:
             db += tl.sum(dz, axis=0)
         if NEED_DW:
             dzt = tl.trans(round_to(dz, HS.dtype.element_ty, INTERP_S))
-            h: tl.constexpr = (HS, offs_n, active, stride_hsn, stride_hsd)
-            _add_product(dzt, *h, DW, offs_v, col_ok, stride_dwv, DS, False, *mm)
+            _add_product(
+                dzt, HS, offs_n, active, stride_hsn, stride_hsd, DW, offs_v, col_ok, stride_dwv, DS, False, PREC_S,
+                INTERP_S, BLOCK_D_OUT,
+            )  # fmt: skip
     if NEED_DB:
         tl.store(DB + offs_v, db, mask=col_ok)
 
