@@ -131,7 +131,10 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
         },
         dtype=str(signature.get("H", "")).lstrip("*"),
     )
-    meta_path.write_text(json.dumps(asdict(res)))
+    # Atomically (temp file, then rename): concurrent compiles of the same kernel may share the cache.
+    tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(res)))
+    os.replace(tmp, meta_path)
     return res
 
 
