@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -205,6 +206,16 @@ def prepare_rows(
 # ----------------------------------------------------------------------------------------------
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning per distinct message and process (the loss runs every step)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
 def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = None) -> Backend:
     """The implementation module for ``impl`` on ``device``. A zero hidden size (``hidden_dim == 0``: the logits are
     the bias, or 0) always runs the torch implementation: its GEMMs handle the empty projection, the kernels do not
@@ -220,8 +231,17 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
         if impl == "auto":
             return torch_impl
         raise RuntimeError(f"impl='triton' needs triton installed (pip install triton): {e}") from e
+    reason = kernels.unsupported()
     if impl == "auto":
+        if reason is not None:
+            _warn_once(
+                f"cce_dist: {reason}; impl='auto' uses the torch implementation (install a Triton in that range, "
+                "or pass impl='torch' to silence this)"
+            )
+            return torch_impl
         return kernels if kernels.available() else torch_impl
+    if reason is not None:
+        raise RuntimeError(f"impl='triton': {reason}; install a Triton in that range or use impl='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "impl='triton' on CPU tensors runs only in Triton's interpreter: set TRITON_INTERPRET=1 before "

@@ -9,13 +9,20 @@ Implements the backend contract of :mod:`cce_dist.backend` for one vocab shard:
 No autograd and no torch.distributed here. Triton is imported lazily, so ``available()`` can be
 asked on machines without it. On CPU tensors the kernels only run under the Triton interpreter:
 ``TRITON_INTERPRET=1`` must be set before triton is first imported.
+
+The kernels are compiled and tested (tests/test_aot_compile.py, the interpreter tests) with every
+Triton in :data:`TRITON_RANGE`; :func:`unsupported` says why the installed one cannot be used.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["available", "row_stats", "grads"]
+__all__ = ["TRITON_RANGE", "available", "grads", "row_stats", "unsupported"]
+
+#: The Triton releases ``(major, minor)`` the kernels are compiled and tested with, inclusive: 3.6
+#: (pinned by torch 2.10 / 2.11) to 3.9. Outside it ``impl="auto"`` takes the torch path.
+TRITON_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (3, 9))
 
 # Capabilities (the cce_dist.backend.Backend protocol).
 NAME = "triton"
@@ -30,11 +37,34 @@ def _interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def available() -> bool:
-    """True when triton imports and either CUDA is available or TRITON_INTERPRET=1 is set."""
+def unsupported() -> str | None:
+    """Why the kernels cannot run with the installed Triton (None when they can): it does not
+    import, or its version is outside :data:`TRITON_RANGE` (kernels compiled by an untested Triton
+    may fail to compile, or compile to something slower, at the first call)."""
     try:
-        import triton  # noqa: F401
-    except Exception:
+        import triton
+    except Exception as e:  # noqa: BLE001 - any import failure means "no triton"
+        return f"triton does not import ({type(e).__name__}: {e})"
+    from .config import parse_version
+
+    version = getattr(triton, "__version__", "unknown")
+    lo, hi = TRITON_RANGE
+    try:
+        ok = lo <= parse_version(version) <= hi
+    except ValueError:
+        ok = False
+    if not ok:
+        return (
+            f"Triton {version} is outside the range the cce_dist kernels are tested with "
+            f"({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]})"
+        )
+    return None
+
+
+def available() -> bool:
+    """True when a supported Triton (:func:`unsupported` is None) imports and either CUDA is
+    available or TRITON_INTERPRET=1 is set."""
+    if unsupported() is not None:
         return False
     if _interpret_env():
         return True

@@ -27,6 +27,7 @@ tiles, partial tiles and the multi-split path.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,21 @@ import torch
 #: Off matches the 3.10 default and the eager PyTorch elementwise ops of the reference program
 #: (which never contract across ops); the matmuls are unaffected (they accumulate with MMA).
 ENABLE_FP_FUSION = False
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"3.7.0+git1234"``."""
+    m = re.match(r"\s*(\d+)\.(\d+)", text)
+    if m is None:
+        raise ValueError(f"not a version: {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def triton_version() -> tuple[int, int]:
+    """``(major, minor)`` of the Triton that is imported (``triton.__version__``)."""
+    import triton
+
+    return parse_version(triton.__version__)
 
 
 @dataclass(frozen=True)
@@ -257,16 +273,24 @@ def backward_config(
     softcap: bool = False,
     filtering: bool = False,
     deterministic: bool = False,
+    compiler: tuple[int, int] | None = None,
 ) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
     why it is not tuned): the first candidate whose shared memory fits.
 
     The softcap and filtering epilogues keep more fp32 tiles live (tanh factor, filter test):
     with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
-    matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there)."""
+    matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there).
+    ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
+    one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
+    tcgen05, so filtering there gets 64x64 tiles."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
+    if compiler is None:
+        compiler = triton_version()
+    if props.mma == "tcgen05" and filtering and not deterministic and dtype != torch.float32 and compiler < (3, 8):
+        return BwdConfig(64, 64, 64, 64, group_n=8, num_warps=8, num_stages=3)
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
@@ -299,15 +323,17 @@ def backward_config(
     return SMALL_BWD
 
 
-def all_backward_configs(props: DeviceProps) -> set[BwdConfig]:
-    """Every backward config :func:`backward_config` can return on ``props`` (for the AOT test)."""
+def all_backward_configs(props: DeviceProps, compiler: tuple[int, int] | None = None) -> set[BwdConfig]:
+    """Every backward config :func:`backward_config` can return on ``props`` with the Triton
+    ``compiler`` (default: the installed one; for the AOT test)."""
     out = set()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for tf32 in (True, False):
             for sc in (False, True):
                 for flt in (False, True):
                     for det in (False, True):
-                        out.add(backward_config(props, dtype, tf32=tf32, softcap=sc, filtering=flt, deterministic=det))
+                        cfg = dict(tf32=tf32, softcap=sc, filtering=flt, deterministic=det, compiler=compiler)
+                        out.add(backward_config(props, dtype, **cfg))
     return out
 
 
