@@ -147,7 +147,8 @@ json.dump(rows, sys.stdout)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"the sm_90 compile ran past its budget ({budget_s:.0f} s)") from e
     if out.returncode != 0:
-        raise RuntimeError("the sm_90 compile failed:\n" + out.stderr[-4000:])
+        last = next((x for x in reversed(out.stderr.splitlines()) if x.strip()), "")
+        raise RuntimeError(f"the sm_90 compile failed: {last[:300]}\n" + out.stderr[-4000:])
     return json.loads(out.stdout)
 
 
@@ -725,21 +726,19 @@ def main(argv: list[str] | None = None) -> None:
     env = env_info(triton=triton.__version__)
     out = Path(a.out)
     source = f"compiled for sm_90 in this run (triton {triton.__version__})"
+    compile_error = None
     try:
         if a.no_compile:
             raise RuntimeError("--no-compile")
         rows = _compile_rows(a.compile_budget)
     except RuntimeError as e:
+        why, compile_error = str(e).splitlines()[0], str(e)[-4000:]
         reuse = Path(a.reuse)
         if reuse.exists():
             rows, from_commit = _saved_rows(reuse)
-            why = str(e).splitlines()[0]
             source = f"not compiled ({why}): compiled fields reused from {reuse.name} of commit {from_commit}"
         else:
-            rows, source = (
-                [],
-                f"not compiled ({str(e).splitlines()[0]}) and no saved result: per-kernel tables left out",
-            )
+            rows, source = [], f"not compiled ({why}) and no saved result: per-kernel tables left out"
         print(f"gpu_model: {source}", file=sys.stderr)
     for r in rows:
         for gname, g in GPUS.items():
@@ -752,6 +751,7 @@ def main(argv: list[str] | None = None) -> None:
         if out.resolve() == (REPO_RESULTS).resolve()
         else f"python -m benchmarks.gpu_model --out {a.out}",
         "compile_source": source,
+        "compile_error": compile_error,
         "shape": dict(N=N, D=D, V=V, dtype="bf16"),
         "gpus": GPUS,
         "assumptions": ASSUMPTIONS,
