@@ -1097,7 +1097,7 @@ def render(out: Path, run: str | None = None) -> str:
                 f"{_f((r.get('lse') or {}).get('max_abs'))} | {_f((r.get('target') or {}).get('max_abs'))} | "
                 f"{_f((r.get('dH') or {}).get('rel_fro'))} | {_f((r.get('dW') or {}).get('rel_fro'))} | "
                 f"{_f((r.get('dH') or {}).get('max_rel'))} | {_f((r.get('dW') or {}).get('max_rel'))} | "
-                f"{_f(r.get('loss_abs_err'))} | {_f(r.get('seconds'), 1)} | {(r.get('error') or '')[:160]} |"
+                f"{_f(r.get('loss_abs_err'))} | {_f(r.get('seconds'))} | {(r.get('error') or '')[:160]} |"
             )
         lines.append("")
     if by["peers"]:

@@ -52,8 +52,18 @@ sys.exit(0 if os.path.realpath(cce_dist.kernels.__file__).startswith(here + os.s
 PYEOF
   then
     echo "gpu_suite.sh: installing this checkout (pip install -e . --no-deps --no-build-isolation --no-index)"
-    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || echo "gpu_suite.sh: install failed"
+    if ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
+      # Last resort on a throwaway copy (never in a dry run): make cce_dist.kernels a plain subpackage.
+      if [ "$dry" = 0 ] && [ ! -e cce_dist/kernels ]; then
+        echo "gpu_suite.sh: editable install failed; linking cce_dist/kernels -> ../kernels in this copy"
+        ln -s ../kernels cce_dist/kernels
+      else
+        echo "gpu_suite.sh: editable install failed"
+      fi
+    fi
   fi
+  "$PY" -c "import cce_dist.kernels as k, triton, torch; print('cce_dist.kernels from', k.__file__, '| torch', torch.__version__, '| triton', triton.__version__)" \
+    || echo "gpu_suite.sh: cce_dist.kernels does not import: every stage will record the error"
   "$PY" benchmarks/gpu_suite.py --out "$out" --started "$started" "$@"
   rc=$?
   echo "gpu_suite.sh: done rc=$rc after $(( $(date +%s) - started )) s"
