@@ -56,6 +56,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -954,6 +955,8 @@ class Suite:
         if self.dry:
             cmd += ["--no-compile"]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # its own AOT cache: the GPU tests' ahead-of-time compile tests write the shared one at the same time
+        env["CCE_DIST_AOT_CACHE"] = os.path.join(tempfile.gettempdir(), "cce_suite_gpu_model_aot")
         self.log("gpu_model: " + " ".join(cmd))
         return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
 
