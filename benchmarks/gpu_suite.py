@@ -1007,9 +1007,9 @@ class Suite:
             self.log(f"stage {stage}: done in {time.time() - t0:.0f} s")
         if "gpu_model" in self.a.stages.split(",") and "pytest" not in stages:
             self.finish_gpu_model(self.start_gpu_model(60), time.time() + 60)
-        md = render(self.out, self.run_id)
+        render(self.out, self.run_id)
         self.log(f"wrote {self.out / JSONL} and {self.out / MD}")
-        print(md[-6000:], flush=True)
+        print(headline(self.out, self.run_id), flush=True)
 
 
 def _importable(mod: str) -> bool:
@@ -1049,6 +1049,37 @@ def _f(x: Any, nd: int = 2) -> str:
             return "nan"
         return f"{x:.{nd}f}" if abs(x) >= 10**-nd or x == 0 else f"{x:.2e}"
     return str(x)
+
+
+def headline(out: Path, run: str | None = None) -> str:
+    """A compact plain-text summary, printed last (a device tool returns the tail of the output)."""
+    lines = ["== gpu_suite headline (full tables in gpu_suite.md) =="]
+    for r in read_rows(out, run):
+        st, case = r.get("stage"), r.get("case")
+        if st in ("suite", "env"):
+            continue
+        msg = f"{st:11s} {case[:58]:58s} {r.get('status', '?'):7s}"
+        if st == "correctness" and r.get("status") in ("ok", "fail"):
+            parts = [
+                f"{k} {r[k]['rel_fro' if k in ('dH', 'dW') else 'max_abs']:.1e}" for k in ("lse", "dH", "dW") if k in r
+            ]
+            msg += " " + ", ".join(parts)
+        elif st == "peers" and r.get("fwd_bwd_ms"):
+            msg += f" fwd+bwd {r['fwd_bwd_ms']:.1f} ms"
+            msg += f", fwd {r['fwd_ms']:.1f}" if "fwd_ms" in r else ""
+            msg += f", peak {r['peak_mb']:.0f} MB" if "peak_mb" in r else ""
+        elif st == "kernels" and r.get("measured_ms"):
+            msg += f" {r['measured_ms']:.1f} ms"
+            if r.get("model_ms_high"):
+                msg += f" (model {r['model_ms_low']:.1f}-{r['model_ms_high']:.1f})"
+        elif st == "atomics" and r.get("gb_per_s"):
+            msg += f" {r['gb_per_s']:.0f} GB/s"
+        elif st == "pytest":
+            msg += " " + ", ".join(f"{r.get(k)} {k}" for k in ("tests", "failures", "errors", "skipped"))
+        if r.get("status") in ("error", "fail", "skipped") and r.get("error"):
+            msg += " | " + str(r["error"]).splitlines()[0][:150]
+        lines.append(msg)
+    return "\n".join(lines)
 
 
 def _shape(r: dict) -> str:
