@@ -903,8 +903,8 @@ class Suite:
         aot = "tests/test_aot_compile.py::"
         files = ["tests/test_kernels.py", "tests/test_distill_triton.py"]
         # the ahead-of-time compile tests for this machine's target only (the others run in CI on CPU)
-        files += [f"{aot}test_every_selectable_kernel_compiles_within_limits[sm_90]"]
-        files += [f"{aot}test_distill_kernels_compile_within_limits[sm_90]"]
+        files += [f"{aot}test_every_selectable_kernel_compiles_within_limits[newest-sm_90]"]
+        files += [f"{aot}test_distill_kernels_compile_within_limits[newest-sm_90]"]
         files += [
             f"{aot}test_selection_uses_reported_shared_memory_not_major",
             f"{aot}test_splits_follow_the_launched_tile",
