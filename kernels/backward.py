@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from cce_dist.runtime import free_bytes, mm_f32
 
 from . import config as _config
 from ._common import (
@@ -777,37 +778,34 @@ def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias
 
 
 def _chunked_fits(device: torch.device, deterministic: bool) -> bool:
-    """Whether the chunked schedule can run (at any N: its row blocks keep the scratch within
-    ``CHUNK_SCRATCH_BYTES``): on a CUDA device, that much free memory; and, for ``deterministic``
-    under ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch
-    refuses the GEMMs)."""
+    """Whether the chunked schedule can run: see :func:`_chunked_verdict`."""
+    return _chunked_verdict(device, deterministic)[0]
+
+
+def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, str]:
+    """``(fits, why)``: whether the chunked schedule can run (at any N: its row blocks keep the scratch within
+    ``CHUNK_SCRATCH_BYTES``), and a reason for the log. On a CUDA device it needs that much memory available to an
+    allocation (:func:`cce_dist.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
+    holds reserved but unused; the driver alone counts the allocator's cache as used, which in a warmed-up training
+    loop would push every call onto the atomic schedule); and, for ``deterministic`` under
+    ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""
     if device.type != "cuda":
-        return True
+        return True, f"{device.type} tensors"
     if deterministic and torch.are_deterministic_algorithms_enabled():
         if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-            return False
-    return torch.cuda.mem_get_info(device)[0] >= _config.CHUNK_SCRATCH_BYTES
+            return False, "torch.use_deterministic_algorithms without CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8"
+    free = free_bytes(device)
+    need = _config.CHUNK_SCRATCH_BYTES
+    if free < need:
+        return False, f"chunked scratch did not fit: {free} bytes free (driver + allocator cache) < {need}"
+    return True, f"{free} bytes free >= {need} of scratch"
 
 
 def _mm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation. bf16 / fp16 operands on CUDA:
-    one GEMM with a float32 result (``out_dtype``) written in place; elsewhere (the CPU build has
-    no such kernel, or an older torch) the operands are upcast, which gives the same values (their
-    products are exact in fp32) at the cost of an fp32 copy of the chunk."""
-    if a.is_cuda and a.dtype != torch.float32:
-        try:
-            if accumulate:
-                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-            else:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return
-        except (RuntimeError, TypeError):
-            pass
-    a, b = a.float(), b.float()
-    if accumulate:
-        out.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=out)
+    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation: :func:`cce_dist.runtime.mm_f32` (one GEMM
+    with a float32 result where the build has one, decided once per device and dtype; else upcast operands, the
+    same values)."""
+    mm_f32(out, a, b, accumulate)
 
 
 def _chunked_launches(

@@ -1,0 +1,250 @@
+"""Code that only runs on CUDA, exercised on the CPU (issue 20): fake devices, monkeypatched torch.cuda functions.
+
+- the float32-output GEMM of the gradient products: decided once per (device, dtype) by a probe, never by catching
+  the real call's errors (an out-of-memory error must reach the caller) and logged when the slow upcast path is taken;
+- the chunked backward's memory check counts what torch's caching allocator holds reserved but unused;
+- ``DeviceProps.of`` on a torch without ``shared_memory_per_block_optin`` (before 2.7);
+- a debug line naming the backward schedule, why, its blocks and GEMM path;
+- no device-to-host read (``bool(tensor)``, ``.item()``, ``.tolist()``, ...) from the library's own code in the
+  default forward and backward, which would stall the host on every call and rule out CUDA-graph capture;
+- every Triton launch runs under ``torch.cuda.device(<the tensors' device>)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from cce_dist.kernels import backward as KB  # noqa: E402
+from cce_dist.kernels import config as KC  # noqa: E402
+
+CUDA0 = torch.device("cuda", 0)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the kernels on CPU tensors in the interpreter")
+
+
+def _runtime():
+    """cce_dist.runtime where it exists (the tests below also run, and fail, on the code before it)."""
+    try:
+        from cce_dist import runtime
+    except ImportError:
+        return None
+    return runtime
+
+
+@contextlib.contextmanager
+def _pretend_cuda_tensors():
+    """Every tensor answers ``is_cuda`` True (what the CUDA-only branches test), for the ``with`` block only."""
+    saved = torch.Tensor.__dict__.get("is_cuda")
+    torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if saved is None:
+            del torch.Tensor.is_cuda
+        else:
+            torch.Tensor.is_cuda = saved  # type: ignore[method-assign]
+
+
+def _operands(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=g).to(dtype)
+    b = torch.randn(16, 4, generator=g).to(dtype)
+    out = torch.randn(8, 4, generator=g)
+    return out, a, b
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. the float32-output GEMM
+# ------------------------------------------------------------------------------------------------
+
+
+def _count_out_dtype_calls(monkeypatch, exc: BaseException):
+    """torch.mm / torch.addmm raise ``exc`` when given ``out_dtype`` (and count those calls); plain calls run."""
+    calls = []
+    real_mm, real_addmm = torch.mm, torch.addmm
+
+    def fake(real):
+        def call(*args, **kwargs):
+            if "out_dtype" in kwargs:
+                calls.append(real.__name__)
+                raise exc
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(torch, "mm", fake(real_mm))
+    monkeypatch.setattr(torch, "addmm", fake(real_addmm))
+    return calls
+
+
+def test_gemm_out_of_memory_reaches_the_caller(monkeypatch):
+    """The fp32-output GEMM runs out of memory: the error is raised, not hidden by a silent (and larger) fp32 GEMM."""
+    rt = _runtime()
+    if rt is not None:  # the device's build has the GEMM (decided before): the real call is made once, and fails
+        monkeypatch.setitem(rt._F32_OUT, (torch.device("cpu"), torch.bfloat16), True)
+    calls = _count_out_dtype_calls(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    out, a, b = _operands()
+    with _pretend_cuda_tensors(), pytest.raises(torch.OutOfMemoryError):
+        KB._mm_f32(out, a, b, accumulate=True)
+    assert calls == ["addmm"]
+
+
+def test_gemm_device_error_reaches_the_caller(monkeypatch):
+    """An asynchronous device error surfacing at the GEMM is not taken for a missing kernel."""
+    rt = _runtime()
+    if rt is not None:
+        monkeypatch.setitem(rt._F32_OUT, (torch.device("cpu"), torch.bfloat16), True)
+    err = getattr(torch, "AcceleratorError", RuntimeError)
+    try:
+        exc = err("CUDA error: an illegal memory access was encountered")
+    except TypeError:  # pragma: no cover - an error type with another constructor
+        pytest.skip("cannot construct torch.AcceleratorError here")
+    _count_out_dtype_calls(monkeypatch, exc)
+    out, a, b = _operands()
+    with _pretend_cuda_tensors(), pytest.raises(err):
+        KB._mm_f32(out, a, b, accumulate=False)
+
+
+def test_gemm_without_out_dtype_is_decided_once(monkeypatch):
+    """An older torch without ``out_dtype``: every call upcasts (the right values), and the fp32-output GEMM is not
+    attempted (and failed) again on every call."""
+    calls = _count_out_dtype_calls(monkeypatch, TypeError("mm() got an unexpected keyword argument 'out_dtype'"))
+    out, a, b = _operands()
+    want_acc = out + a.float() @ b.float()
+    with _pretend_cuda_tensors():
+        for _ in range(3):
+            got = out.clone()
+            KB._mm_f32(got, a, b, accumulate=True)
+            torch.testing.assert_close(got, want_acc, rtol=1e-6, atol=1e-6)
+        got = torch.empty_like(out)
+        KB._mm_f32(got, a, b, accumulate=False)
+    torch.testing.assert_close(got, a.float() @ b.float(), rtol=1e-6, atol=1e-6)
+    assert len(calls) <= 1, f"the fp32-output GEMM was attempted {len(calls)} times: {calls}"
+
+
+def test_probe_is_cached_per_device_and_dtype_and_the_upcast_is_logged(monkeypatch, caplog):
+    rt = _runtime()
+    assert rt is not None, "cce_dist.runtime (the shared GEMM helper) is missing"
+    probes = []
+
+    def probe(device, dtype):
+        probes.append((device, dtype))
+        return dtype == torch.float16  # pretend: fp16 has the kernel, bf16 not
+
+    monkeypatch.setattr(rt, "_probe", probe)
+    monkeypatch.setattr(rt, "_F32_OUT", {})
+    with caplog.at_level(logging.DEBUG, logger="cce_dist"):
+        for _ in range(3):
+            assert rt.f32_out_gemm(CUDA0, torch.bfloat16) is False
+            assert rt.f32_out_gemm(CUDA0, torch.float16) is True
+        assert rt.f32_out_gemm(torch.device("cuda", 1), torch.bfloat16) is False
+        assert rt.f32_out_gemm(torch.device("cpu"), torch.bfloat16) is False  # CPU: upcast, no probe
+        assert rt.f32_out_gemm(CUDA0, torch.float32) is False  # nothing to decide
+    assert probes == [(CUDA0, torch.bfloat16), (CUDA0, torch.float16), (torch.device("cuda", 1), torch.bfloat16)]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "cce_dist"]
+    assert len(warnings) == 2 and all("upcast" in r.getMessage() for r in warnings)
+    assert "cuda:0" in warnings[0].getMessage() and "bfloat16" in warnings[0].getMessage()
+
+
+def test_probe_reraises_out_of_memory_and_says_no_on_a_missing_kernel(monkeypatch):
+    rt = _runtime()
+    assert rt is not None
+    assert rt._probe(torch.device("cpu"), torch.bfloat16) is False  # the CPU build has no aten::mm.dtype kernel
+    _count_out_dtype_calls(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(torch.OutOfMemoryError):
+        rt._probe(torch.device("cpu"), torch.bfloat16)
+
+
+def test_torch_impl_uses_the_shared_decision(monkeypatch):
+    """The torch implementation's dW GEMM goes through the same cached decision: no fp32-output GEMM attempted where
+    it was decided against (and no error of it swallowed where it was decided for)."""
+    from cce_dist import torch_impl
+
+    rt = _runtime()
+    assert rt is not None
+    out, a, b = _operands()
+    monkeypatch.setitem(rt._F32_OUT, (torch.device("cpu"), torch.bfloat16), True)
+    _count_out_dtype_calls(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+    acc = torch_impl.GradAccumulator(b.T.contiguous(), a, False, True, False)
+    with _pretend_cuda_tensors(), pytest.raises(torch.OutOfMemoryError):
+        acc.add(torch.ones(8, 4), b.T.contiguous(), a, slice(0, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. free memory of the chunked schedule
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_memory(monkeypatch, *, driver_free: int, reserved: int, allocated: int):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (driver_free, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved, raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated, raising=False)
+
+
+def test_chunked_fits_counts_the_allocators_cache(monkeypatch):
+    """A warmed-up loop: the driver reports 1 MB free, but torch's allocator holds 2 GB reserved and unused."""
+    _fake_memory(monkeypatch, driver_free=1 << 20, reserved=30 << 30, allocated=28 << 30)
+    assert KB._chunked_fits(CUDA0, deterministic=False)
+    assert KB._chunked_fits(CUDA0, deterministic=True)
+
+
+def test_chunked_does_not_fit_when_neither_has_room(monkeypatch):
+    _fake_memory(monkeypatch, driver_free=4 << 20, reserved=30 << 30, allocated=(30 << 30) - (4 << 20))
+    assert not KB._chunked_fits(CUDA0, deterministic=False)
+    _fake_memory(monkeypatch, driver_free=8 << 20, reserved=30 << 30, allocated=(30 << 30) - (8 << 20))
+    assert KB._chunked_fits(CUDA0, deterministic=False)  # 8 + 8 MB: exactly the 16 MB scratch
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. DeviceProps.of on an older torch
+# ------------------------------------------------------------------------------------------------
+
+
+def _old_props(record: KC.DeviceProps, **extra):
+    """What torch < 2.7 reports: no ``shared_memory_per_block_optin`` (``extra`` may add the 48 KB field)."""
+    return SimpleNamespace(
+        major=record.capability[0],
+        minor=record.capability[1],
+        multi_processor_count=record.sms,
+        name=record.name,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("arch", sorted(KC.KNOWN_DEVICES))
+@pytest.mark.parametrize("with_default_smem", [False, True], ids=["no-smem-field", "48KB-field"])
+def test_device_props_without_optin_field(monkeypatch, arch, with_default_smem):
+    record = KC.KNOWN_DEVICES[arch]
+    extra = {"shared_memory_per_block": 48 * 1024} if with_default_smem else {}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _old_props(record, **extra))
+    props = KC.DeviceProps.of(CUDA0)
+    assert props.smem_per_block == record.smem_per_block
+    assert props.capability == record.capability and props.sms == record.sms
+    # the config it leads to is the one the device gets (not the smallest tiles)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert KC.backward_config(props, dtype) == KC.backward_config(record, dtype)
+        assert KC.forward_candidates(props, dtype) == KC.forward_candidates(record, dtype)
+
+
+def test_device_props_reads_the_optin_field_when_present(monkeypatch):
+    p = _old_props(KC.KNOWN_DEVICES["sm_90"], shared_memory_per_block=48 * 1024, shared_memory_per_block_optin=200_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: p)
+    assert KC.DeviceProps.of(CUDA0).smem_per_block == 200_000
+
+
+def test_device_props_table_by_capability():
+    assert KC.optin_smem_of((8, 9)) == 101_376
+    assert KC.optin_smem_of((10, 3)) == 232_448  # an unlisted minor version: its major's nearest below
+    assert KC.optin_smem_of((7, 5)) == 48 * 1024  # unknown: what needs no opt-in
