@@ -63,6 +63,7 @@ with any GAMMA != 0 row are never skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -70,7 +71,7 @@ import triton
 import triton.language as tl
 
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
-from cce_dist.runtime import free_bytes, mm_f32
+from cce_dist.runtime import device_guard, f32_out_gemm, free_bytes, logger, mm_f32
 
 from . import config as _config
 from ._common import (
@@ -866,6 +867,30 @@ def _chunked_launches(
     return launches
 
 
+def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> None:
+    """The debug line naming the backward schedule :func:`plan` chose, why, its config and its GEMM path."""
+    n, v = hidden.shape[0], weight.shape[0]
+    extra = ""
+    if schedule == "chunked":
+        nc, vc = _chunk_shape(n, v, blocks[0], blocks[1], hidden.element_size(), bias is not None, max_rows)
+        low = hidden.dtype != torch.float32
+        gemm = "float32" if not low else "float32-output" if f32_out_gemm(hidden.device, hidden.dtype) else "upcast"
+        extra = f", chunks of {nc} rows x {vc} columns, {gemm} GEMMs"
+    logger.debug(
+        "cce_dist backward: schedule=%s (%s); N=%d V_local=%d D=%d %s; blocks (N, V, D, D_out)=%s, "
+        "(group_n, warps, stages)=%s%s",
+        schedule,
+        why,
+        n,
+        v,
+        hidden.shape[1],
+        str(hidden.dtype).replace("torch.", ""),
+        blocks,
+        launch,
+        extra,
+    )
+
+
 # plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
 # from the device and torch), and grads() passes them on: the two signatures mirror each other.
 def plan(
@@ -913,8 +938,10 @@ def plan(
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
     if schedule is None:
-        fits = _chunked_fits(device, deterministic)
+        fits, why = _chunked_verdict(device, deterministic)
         schedule = "chunked" if fits else "owner" if deterministic else "tiles"
+    else:
+        why = "requested (_schedule)"
     dh = torch.zeros(n, d, **f32) if need_hidden else None
     # The chunked schedule's first row block writes each row of dW (the next ones add to it): no zero fill.
     dw = (
@@ -953,6 +980,8 @@ def plan(
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
     launch = {} if interpret else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_plan(schedule, why, hidden, weight, (bn, bv, bd, bdo), (group_n, warps, stages), _chunk_rows, bias)
 
     common = (
         hidden,
@@ -1122,8 +1151,9 @@ def grads(
         _schedule=_schedule,
         _chunk_rows=_chunk_rows,
     )
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    with device_guard(hidden.device):  # Triton launches on the current device
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
 
     has_softcap = softcap is not None and softcap != 0
     if launches and filter_eps is not None and not has_softcap:  # GAMMA was left out of the tiles

@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+import cce_dist.kernels as K  # noqa: E402
 from cce_dist.kernels import backward as KB  # noqa: E402
 from cce_dist.kernels import config as KC  # noqa: E402
 
@@ -55,6 +56,16 @@ def _pretend_cuda_tensors():
             del torch.Tensor.is_cuda
         else:
             torch.Tensor.is_cuda = saved  # type: ignore[method-assign]
+
+
+def _inputs(dtype=torch.bfloat16, n=20, d=24, v=70, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.1).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    return h, w, b, t
 
 
 def _operands(dtype=torch.bfloat16):
@@ -248,3 +259,157 @@ def test_device_props_table_by_capability():
     assert KC.optin_smem_of((8, 9)) == 101_376
     assert KC.optin_smem_of((10, 3)) == 232_448  # an unlisted minor version: its major's nearest below
     assert KC.optin_smem_of((7, 5)) == 48 * 1024  # unknown: what needs no opt-in
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. which schedule ran
+# ------------------------------------------------------------------------------------------------
+
+
+def _small_grads(dtype=torch.bfloat16, **kw):
+    g = torch.Generator().manual_seed(1)
+    n, d, v = 20, 24, 70
+    h = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    lse = torch.full((n,), 5.0)
+    coef = torch.randn(n, 4, generator=g) * 0.1
+    return K.grads(
+        h,
+        w,
+        None,
+        t,
+        lse,
+        coef,
+        vocab_start=0,
+        softcap=None,
+        temperature=1.0,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=False,
+        **kw,
+    )
+
+
+def _schedule_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "cce_dist" and "schedule=" in r.getMessage()]
+
+
+@needs_interpreter
+def test_the_chosen_schedule_is_logged(caplog):
+    with caplog.at_level(logging.DEBUG, logger="cce_dist"):
+        _small_grads()
+    (line,) = _schedule_lines(caplog)
+    assert "schedule=chunked" in line
+    c = KC.INTERPRET_BWD
+    assert f"blocks (N, V, D, D_out)={(c.block_n, c.block_v, c.block_d, c.block_d_out)}" in line
+    assert "upcast GEMMs" in line  # bf16 on the CPU: no float32-output GEMM
+
+
+@needs_interpreter
+def test_the_fallback_and_its_reason_are_logged(monkeypatch, caplog):
+    """Too little memory for the chunked scratch: the atomic schedule runs, and the log says why."""
+    reason = "chunked scratch did not fit: 1048576 bytes free"
+    monkeypatch.setattr(KB, "_chunked_verdict", lambda device, det: (False, reason), raising=False)
+    monkeypatch.setattr(KB, "_chunked_fits", lambda device, det: False)
+    with caplog.at_level(logging.DEBUG, logger="cce_dist"):
+        _small_grads()
+        _small_grads(deterministic=True)
+    lines = _schedule_lines(caplog)
+    assert len(lines) == 2
+    assert "schedule=tiles" in lines[0] and reason in lines[0]
+    assert "schedule=owner" in lines[1] and reason in lines[1]
+
+
+def test_no_schedule_line_unless_debug(caplog):
+    with caplog.at_level(logging.INFO, logger="cce_dist"):
+        _small_grads(dtype=torch.float32)
+    assert not _schedule_lines(caplog)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. launches run on the tensors' device
+# ------------------------------------------------------------------------------------------------
+
+
+def test_device_guard_picks_the_tensors_cuda_device(monkeypatch):
+    rt = _runtime()
+    assert rt is not None
+    entered = []
+
+    class FakeGuard:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", FakeGuard)
+    assert isinstance(rt.device_guard(torch.device("cuda", 1)), FakeGuard)
+    assert entered == [torch.device("cuda", 1)]
+    with rt.device_guard(torch.device("cpu")):  # a no-op elsewhere
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+@needs_interpreter
+def test_every_launch_runs_under_the_guard_of_its_tensors_device(monkeypatch):
+    """Each Triton launch (forward, backward, distillation) happens inside ``device_guard(<the tensors' device>)``."""
+    rt = _runtime()
+    assert rt is not None
+    from cce_dist.kernels import distill as KD
+    from cce_dist.kernels import forward as KF
+
+    active: list[torch.device] = []
+    launched: list[tuple[str, list]] = []
+
+    @contextlib.contextmanager
+    def guard(device):
+        active.append(device)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    for mod in (KF, KB, KD):
+        monkeypatch.setattr(mod, "device_guard", guard)
+
+    def spy(kernel):
+        class Spy:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launched.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), list(active)))
+                    return kernel[grid](*args, **kwargs)
+
+                return run
+
+        return Spy()
+
+    for mod in (KF, KB, KD):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.endswith("_kernel") and hasattr(obj, "__getitem__") and not isinstance(obj, type):
+                monkeypatch.setattr(mod, name, spy(obj))
+
+    h, w, b, t = (x.detach() for x in _inputs(torch.float32))
+    st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0)
+    coef = torch.randn(h.shape[0], 4) * 0.1
+    lse = st[:, 0] + st[:, 1].log()
+    for schedule in ("chunked", "tiles", "owner"):
+        K.grads(h, w, b, t, lse, coef, vocab_start=0, softcap=None, temperature=1.0, need_hidden=True,
+                need_weight=True, need_bias=True, _schedule=schedule)  # fmt: skip
+    ht, wt = h * 0.5, w.flip(0).contiguous()
+    kd_stats, _ = KD.stats(h, w, b, ht, wt, None, t, vocab_start=0, softcap=(None, None), temperature=1.0, hard=True)
+    norm = KD.norms(kd_stats.transpose(0, 1))
+    KD.rows(h, w, b, ht, wt, None, norm, divergence="jsd", beta=0.5, softcap=(None, None), temperature=1.0)
+    KD.grads(h, w, b, ht, wt, None, t, norm, torch.zeros(h.shape[0]), torch.ones(h.shape[0]), vocab_start=0,
+             divergence="kl", beta=0.5, softcap=(None, None), temperature=1.0, soft_coef=1.0, hard_coef=0.5,
+             need_hidden=True, need_weight=True, need_bias=True)  # fmt: skip
+    names = {name for name, _ in launched}
+    assert {"_row_stats_kernel", "_dz_store_kernel", "_grads_fused_kernel", "_grads_dh_kernel"} <= names, names
+    assert any("distill" in name for name in names), names
+    unguarded = [name for name, guards in launched if guards != [h.device]]
+    assert not unguarded, f"launched outside device_guard({h.device}): {unguarded}"
