@@ -738,7 +738,10 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
     """Exact contribution of the GAMMA term when it was left out of the tiles (no softcap):
     draw_ij = gamma_i (already divided by the temperature) for every local vocab row j."""
     if dh is not None:
-        dh.addr_(gamma, weight.sum(0, dtype=torch.float32))
+        # Every gamma 0 (no label smoothing) adds exactly 0, also for a weight with inf columns (0 * inf would be
+        # NaN): decided on the device, without reading gamma back to the host.
+        col = weight.sum(0, dtype=torch.float32)
+        dh.addr_(gamma, torch.where((gamma != 0).any(), col, torch.zeros((), dtype=col.dtype, device=col.device)))
     if dw is not None:
         n, d = hidden.shape
         rows = max(1, _GAMMA_CHUNK_BYTES // (4 * max(d, 1)))
@@ -831,10 +834,11 @@ def _chunked_launches(
     h_rows = hidden
     if dw is not None and hidden.device.type != "meta":
         # dz is 0 in rows with all-zero coefficients, but 0 * inf = NaN in the GEMM: such rows of H
-        # must read as 0 (as the fused kernel's masked loads do). Copy H only when one is not finite.
+        # must read as 0 (as the fused kernel's masked loads do), in a copy of H.
+        # Unconditionally (one elementwise pass over H): asking whether any such row exists would read a
+        # device value back to the host, a sync in every backward (and no CUDA-graph capture).
         idle = (coef == 0).all(1)
-        if bool((idle & ~torch.isfinite(hidden).all(1)).any()):
-            h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+        h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
 
     def gemms(c0: int, c1: int, r0: int, r1: int) -> None:
         dz = scratch[: r1 - r0, : c1 - c0]
@@ -1160,8 +1164,7 @@ def grads(
         gamma = coef[:, GAMMA]
         if temperature is not None and float(temperature) != 1.0:
             gamma = gamma / float(temperature)
-        if bool((gamma != 0).any()):
-            _add_uniform_term(hidden, weight, gamma, dh, dw, db)
+        _add_uniform_term(hidden, weight, gamma, dh, dw, db)
     return dh, dw, db
 
 

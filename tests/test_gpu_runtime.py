@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -26,6 +28,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+import cce_dist  # noqa: E402
 import cce_dist.kernels as K  # noqa: E402
 from cce_dist.kernels import backward as KB  # noqa: E402
 from cce_dist.kernels import config as KC  # noqa: E402
@@ -325,6 +328,142 @@ def test_no_schedule_line_unless_debug(caplog):
     with caplog.at_level(logging.INFO, logger="cce_dist"):
         _small_grads(dtype=torch.float32)
     assert not _schedule_lines(caplog)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. no device-to-host reads in the default forward and backward
+# ------------------------------------------------------------------------------------------------
+
+_OURS = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (cce_dist, K))
+_SYNCS = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def _count_syncs():
+    """Record ``(file:function, method)`` of every call of a reading-back Tensor method made from cce_dist's own code
+    (the package and its kernels; not torch's, triton's interpreter's or the test's)."""
+    seen: list[tuple[str, str]] = []
+    saved = {name: torch.Tensor.__dict__.get(name) for name in _SYNCS}
+
+    def wrap(name):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            f = sys._getframe(1)
+            path = str(Path(f.f_code.co_filename).resolve())
+            if path.startswith(_OURS):
+                seen.append((f"{Path(path).parent.name}/{Path(path).name}:{f.f_code.co_name}", name))
+            return real(self, *args, **kwargs)
+
+        return method
+
+    for name in _SYNCS:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        yield seen
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, old)
+
+
+#: The one documented read-back of an eager call: the target ids are checked against the vocabulary before any
+#: launch, so that an id out of range raises a clear ValueError (on a GPU a kernel cannot raise).
+TARGET_CHECK = ("cce_dist/prepare.py:valid_id_range", "tolist")
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "form",
+    ["mean", "sum", "none+lse", "smoothing+zloss+softcap", "deterministic", "filter", "logprobs+entropy"],
+)
+def test_default_triton_forward_and_backward_do_not_read_back(form):
+    h, w, b, t = _inputs()
+    with _count_syncs() as seen:
+        if form == "logprobs+entropy":
+            lp, ent = cce_dist.linear_logprobs(h, w, t, bias=b, impl="triton", temperature=0.7, return_entropy=True)
+            fwd = list(seen)
+            (lp.sum() + ent.sum()).backward()
+        else:
+            kw: dict = dict(bias=b, impl="triton")
+            if form == "none+lse":
+                kw.update(reduction="none", return_lse=True)
+            elif form == "sum":
+                kw.update(reduction="sum")
+            elif form == "smoothing+zloss+softcap":
+                kw.update(label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+            elif form == "deterministic":
+                kw.update(deterministic=True)
+            elif form == "filter":
+                kw.update(filter_eps="auto", label_smoothing=0.1)
+            out = cce_dist.linear_cross_entropy(h, w, t, **kw)
+            fwd = list(seen)
+            loss = out[0].sum() + out[1].sum() if isinstance(out, tuple) else out
+            loss.backward()
+        bwd = seen[len(fwd) :]
+    assert all(s == TARGET_CHECK for s in fwd), f"the forward read device values back: {fwd}"
+    assert not bwd, f"the backward read device values back: {bwd}"
+    assert h.grad is not None and torch.isfinite(h.grad.float()).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("form", ["kl-mean", "jsd-sum+hard", "reverse_kl-none", "kl-mean-two-pass", "kl-deterministic"])
+def test_triton_distillation_does_not_read_back(form):
+    """linear_distillation(impl="triton"): the scalar-loss schedule (gradients in forward) and the two-pass one."""
+    from cce_dist import linear_distillation
+
+    h, w, b, t = _inputs(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    th = torch.randn(h.shape[0], 16, generator=g)
+    tw = torch.randn(w.shape[0], 16, generator=g) / 4
+    div, red = form.split("-")[:2]
+    kw: dict = dict(divergence=div, reduction=red if red in ("mean", "sum", "none") else "mean", student_bias=b)
+    if "hard" in form:
+        kw["hard_label_weight"] = 0.5
+    if "two-pass" in form:
+        kw["grad_in_forward"] = False
+    if "deterministic" in form:
+        kw["deterministic"] = True
+    with _count_syncs() as seen:
+        out = linear_distillation(h, w, th, tw, t, impl="triton", temperature=2.0, **kw)
+        fwd = list(seen)
+        out.sum().backward()
+        bwd = seen[len(fwd) :]
+    assert all(s == TARGET_CHECK for s in fwd), f"the forward read device values back: {fwd}"
+    assert not bwd, f"the backward read device values back: {bwd}"
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+@needs_interpreter
+def test_kernel_launchers_do_not_read_back():
+    """Below the driver (which checks the target ids once): forward and backward launchers read nothing back."""
+    h, w, b, t = (x.detach() for x in _inputs())
+    coef = torch.randn(h.shape[0], 4) * 0.1
+    coef[::3] = 0.0  # idle rows, the chunked schedule's H copy
+    with _count_syncs() as seen:
+        st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0)
+        lse = st[:, 0] + st[:, 1].log()
+        for schedule in KB.SCHEDULES:
+            for filt in (None, 0.01):
+                K.grads(
+                    h,
+                    w,
+                    b,
+                    t,
+                    lse,
+                    coef,
+                    vocab_start=0,
+                    softcap=None,
+                    temperature=1.0,
+                    need_hidden=True,
+                    need_weight=True,
+                    need_bias=True,
+                    filter_eps=filt,
+                    _schedule=schedule,
+                )
+    assert not seen, f"read device values back: {seen}"
 
 
 # ------------------------------------------------------------------------------------------------
