@@ -324,6 +324,7 @@ def test_the_fallback_and_its_reason_are_logged(monkeypatch, caplog):
     assert "schedule=owner" in lines[1] and reason in lines[1]
 
 
+@needs_interpreter
 def test_no_schedule_line_unless_debug(caplog):
     with caplog.at_level(logging.INFO, logger="cce_dist"):
         _small_grads(dtype=torch.float32)
