@@ -131,8 +131,10 @@ class FusedDistill(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            n_valid = int(valid.sum().item())
-            scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
+            scale: float | torch.Tensor = 1.0
+            if opts.reduction == "mean":  # 1 / n_valid on the device (from float64, as the Python number was): the
+                # count is not read back to the host, which would stall it on every call
+                scale = (1.0 / valid.sum().clamp(min=1).double()).float()
             loss_rows, _, _, dh, dw, db = plan.module.forward(
                 heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=scale, need=need
             )
@@ -151,8 +153,7 @@ class FusedDistill(torch.autograd.Function):
                 "used by one backward only; pass grad_in_forward=False to backward through it more than once"
             )
         ctx.grads = None
-        if not (g.numel() == 1 and float(g) == 1.0):
-            for t in grads:
-                if t is not None:
-                    t.mul_(g.to(t.dtype))
+        for t in grads:  # also for g == 1 (exact): asking whether it is 1 would read it back to the host
+            if t is not None:
+                t.mul_(g.to(t.dtype))
         return tuple(grads) + (None,) * 7

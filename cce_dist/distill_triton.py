@@ -76,7 +76,7 @@ def forward(
     step: int,
     reduce_stats: Callable[[Tensor], Tensor],
     reduce_rows: Callable[[Tensor], Tensor],
-    row_grad: float | None = None,
+    row_grad: float | Tensor | None = None,
     need: tuple[bool, bool, bool] = (False, False, False),
 ):
     """``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)`` as

@@ -105,11 +105,16 @@ def valid_id_range(targets: Tensor, ignore_index: int) -> tuple[int, int] | None
     directly would wrap it to 156 and skip that id here while the loss reads it as a class."""
     if targets.numel() == 0:
         return None
-    targets = targets.to(torch.int64)
-    t = targets[targets != ignore_index]
-    if t.numel() == 0:
+    t = targets.to(torch.int64).reshape(-1)
+    valid = t != ignore_index
+    big = torch.iinfo(torch.int64)
+    # One read-back of three numbers (no boolean indexing, which is a read-back of its own, and one per min / max).
+    lo, hi, count = torch.stack(
+        [torch.where(valid, t, big.max).min(), torch.where(valid, t, big.min).max(), valid.sum()]
+    ).tolist()
+    if count == 0:
         return None
-    return int(t.min().item()), int(t.max().item())
+    return int(lo), int(hi)
 
 
 def check_target_range(targets: Tensor, ignore_index: int, vocab_size: int | None) -> None:

@@ -28,6 +28,7 @@ import torch
 from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA
 from .options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
+from .runtime import f32_out_gemm, matmul_f32, mm_f32
 
 # Capabilities (the cce_dist.backend.Backend protocol).
 NAME = "torch"
@@ -191,17 +192,6 @@ def row_stats(
     return out
 
 
-def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a @ b`` of bf16/fp16 operands as one GEMM with a float32 result, or None where the build
-    has no such kernel (the CPU build: the caller upcasts the operands, which gives the same values)."""
-    if not a.is_cuda:
-        return None
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except (RuntimeError, TypeError):  # an older build, or a dtype / device without the kernel
-        return None
-
-
 class GradAccumulator:
     """float32 accumulators for dH rows, dW and db, written in place where the dtype allows.
 
@@ -238,19 +228,18 @@ class GradAccumulator:
             first, self._dw_written = not self._dw_written, True
             # The chunk's sum over its tokens stays float32 (never rounded to the head dtype) before
             # it joins the float32 accumulation over chunks.
-            part = _mm_float32_out(dzc, hidden_chunk) if low else None
-            if part is not None:
+            # One GEMM with a float32 result where the device has one (cce_dist.runtime: decided once per device and
+            # dtype, never by catching the GEMM's own errors); else the upcast operands (bf16/fp16 products are exact
+            # in float32: the same values, at the cost of float32 copies).
+            if low and f32_out_gemm(dzc.device, dzc.dtype):
+                part = matmul_f32(dzc, hidden_chunk)
                 if first:
                     self.dw.copy_(part)
                 else:
                     self.dw.add_(part)
             else:
-                # bf16/fp16 products are exact in float32: the same values as a float32-output GEMM
                 a, b = (dzc.float(), hidden_chunk.float()) if low else (dzc, hidden_chunk)
-                if first:
-                    torch.mm(a, b, out=self.dw)
-                else:
-                    self.dw.addmm_(a, b)
+                mm_f32(self.dw, a, b, accumulate=not first)
 
     def result(self):
         if self.dw is not None and not self._dw_written:

@@ -63,6 +63,7 @@ with any GAMMA != 0 row are never skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -70,6 +71,7 @@ import triton
 import triton.language as tl
 
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from cce_dist.runtime import device_guard, f32_out_gemm, free_bytes, logger, mm_f32
 
 from . import config as _config
 from ._common import (
@@ -749,7 +751,10 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
     """Exact contribution of the GAMMA term when it was left out of the tiles (no softcap):
     draw_ij = gamma_i (already divided by the temperature) for every local vocab row j."""
     if dh is not None:
-        dh.addr_(gamma, weight.sum(0, dtype=torch.float32))
+        # Every gamma 0 (no label smoothing) adds exactly 0, also for a weight with inf columns (0 * inf would be
+        # NaN): decided on the device, without reading gamma back to the host.
+        col = weight.sum(0, dtype=torch.float32)
+        dh.addr_(gamma, torch.where((gamma != 0).any(), col, torch.zeros((), dtype=col.dtype, device=col.device)))
     if dw is not None:
         n, d = hidden.shape
         rows = max(1, _GAMMA_CHUNK_BYTES // (4 * max(d, 1)))
@@ -790,37 +795,34 @@ def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias
 
 
 def _chunked_fits(device: torch.device, deterministic: bool) -> bool:
-    """Whether the chunked schedule can run (at any N: its row blocks keep the scratch within
-    ``CHUNK_SCRATCH_BYTES``): on a CUDA device, that much free memory; and, for ``deterministic``
-    under ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch
-    refuses the GEMMs)."""
+    """Whether the chunked schedule can run: see :func:`_chunked_verdict`."""
+    return _chunked_verdict(device, deterministic)[0]
+
+
+def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, str]:
+    """``(fits, why)``: whether the chunked schedule can run (at any N: its row blocks keep the scratch within
+    ``CHUNK_SCRATCH_BYTES``), and a reason for the log. On a CUDA device it needs that much memory available to an
+    allocation (:func:`cce_dist.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
+    holds reserved but unused; the driver alone counts the allocator's cache as used, which in a warmed-up training
+    loop would push every call onto the atomic schedule); and, for ``deterministic`` under
+    ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""
     if device.type != "cuda":
-        return True
+        return True, f"{device.type} tensors"
     if deterministic and torch.are_deterministic_algorithms_enabled():
         if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-            return False
-    return torch.cuda.mem_get_info(device)[0] >= _config.CHUNK_SCRATCH_BYTES
+            return False, "torch.use_deterministic_algorithms without CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8"
+    free = free_bytes(device)
+    need = _config.CHUNK_SCRATCH_BYTES
+    if free < need:
+        return False, f"chunked scratch did not fit: {free} bytes free (driver + allocator cache) < {need}"
+    return True, f"{free} bytes free >= {need} of scratch"
 
 
 def _mm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation. bf16 / fp16 operands on CUDA:
-    one GEMM with a float32 result (``out_dtype``) written in place; elsewhere (the CPU build has
-    no such kernel, or an older torch) the operands are upcast, which gives the same values (their
-    products are exact in fp32) at the cost of an fp32 copy of the chunk."""
-    if a.is_cuda and a.dtype != torch.float32:
-        try:
-            if accumulate:
-                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-            else:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return
-        except (RuntimeError, TypeError):
-            pass
-    a, b = a.float(), b.float()
-    if accumulate:
-        out.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=out)
+    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation: :func:`cce_dist.runtime.mm_f32` (one GEMM
+    with a float32 result where the build has one, decided once per device and dtype; else upcast operands, the
+    same values)."""
+    mm_f32(out, a, b, accumulate)
 
 
 def _chunked_launches(
@@ -845,10 +847,11 @@ def _chunked_launches(
     h_rows = hidden
     if dw is not None and hidden.device.type != "meta":
         # dz is 0 in rows with all-zero coefficients, but 0 * inf = NaN in the GEMM: such rows of H
-        # must read as 0 (as the fused kernel's masked loads do). Copy H only when one is not finite.
+        # must read as 0 (as the fused kernel's masked loads do), in a copy of H.
+        # Unconditionally (one elementwise pass over H): asking whether any such row exists would read a
+        # device value back to the host, a sync in every backward (and no CUDA-graph capture).
         idle = (coef == 0).all(1)
-        if bool((idle & ~torch.isfinite(hidden).all(1)).any()):
-            h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+        h_rows = torch.where(idle[:, None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
 
     def gemms(c0: int, c1: int, r0: int, r1: int) -> None:
         dz = scratch[: r1 - r0, : c1 - c0]
@@ -879,6 +882,30 @@ def _chunked_launches(
             launches.append((_dz_store_kernel, grid, args, kwargs))
             launches.append((_HostStep(gemms), None, (c0, c1, r0, r1), {}))
     return launches
+
+
+def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> None:
+    """The debug line naming the backward schedule :func:`plan` chose, why, its config and its GEMM path."""
+    n, v = hidden.shape[0], weight.shape[0]
+    extra = ""
+    if schedule == "chunked":
+        nc, vc = _chunk_shape(n, v, blocks[0], blocks[1], hidden.element_size(), bias is not None, max_rows)
+        low = hidden.dtype != torch.float32
+        gemm = "float32" if not low else "float32-output" if f32_out_gemm(hidden.device, hidden.dtype) else "upcast"
+        extra = f", chunks of {nc} rows x {vc} columns, {gemm} GEMMs"
+    logger.debug(
+        "cce_dist backward: schedule=%s (%s); N=%d V_local=%d D=%d %s; blocks (N, V, D, D_out)=%s, "
+        "(group_n, warps, stages)=%s%s",
+        schedule,
+        why,
+        n,
+        v,
+        hidden.shape[1],
+        str(hidden.dtype).replace("torch.", ""),
+        blocks,
+        launch,
+        extra,
+    )
 
 
 # plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
@@ -928,8 +955,10 @@ def plan(
     need_bias = bool(need_bias) and bias is not None
     f32 = dict(dtype=torch.float32, device=device)
     if schedule is None:
-        fits = _chunked_fits(device, deterministic)
+        fits, why = _chunked_verdict(device, deterministic)
         schedule = "chunked" if fits else "owner" if deterministic else "tiles"
+    else:
+        why = "requested (_schedule)"
     dh = torch.zeros(n, d, **f32) if need_hidden else None
     # The chunked schedule's first row block writes each row of dW (the next ones add to it): no zero fill.
     dw = (
@@ -968,6 +997,8 @@ def plan(
         bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
         group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
     launch = {} if interpret else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_plan(schedule, why, hidden, weight, (bn, bv, bd, bdo), (group_n, warps, stages), _chunk_rows, bias)
 
     common = (
         hidden,
@@ -1137,16 +1168,16 @@ def grads(
         _schedule=_schedule,
         _chunk_rows=_chunk_rows,
     )
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    with device_guard(hidden.device):  # Triton launches on the current device
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
 
     has_softcap = softcap is not None and softcap != 0
     if launches and filter_eps is not None and not has_softcap:  # GAMMA was left out of the tiles
         gamma = coef[:, GAMMA]
         if temperature is not None and float(temperature) != 1.0:
             gamma = gamma / float(temperature)
-        if bool((gamma != 0).any()):
-            _add_uniform_term(hidden, weight, gamma, dh, dw, db)
+        _add_uniform_term(hidden, weight, gamma, dh, dw, db)
     return dh, dw, db
 
 

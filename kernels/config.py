@@ -70,10 +70,20 @@ class DeviceProps:
 
     @staticmethod
     def of(device: torch.device | str | int | None = None) -> DeviceProps:
-        """The record of a CUDA device (the current one by default)."""
+        """The record of a CUDA device (the current one by default).
+
+        torch before 2.7 has no ``shared_memory_per_block_optin`` in the device properties (only the 48 KB that
+        needs no opt-in, or nothing): there the opt-in maximum comes from the capability
+        (:data:`OPTIN_SMEM_BY_CAPABILITY`), never less than what torch reports, since reading 48 KB (or 0) would
+        reject every candidate config and leave the smallest tiles. Any other field torch lacks falls back the
+        same way (the SM count to 1: correct, but no vocab splits)."""
         p = torch.cuda.get_device_properties(device)
-        smem = getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0)
-        return DeviceProps((p.major, p.minor), p.multi_processor_count, int(smem), p.name)
+        cap = (int(getattr(p, "major", 0)), int(getattr(p, "minor", 0)))
+        smem = int(getattr(p, "shared_memory_per_block_optin", 0) or 0)
+        if smem <= 0:
+            smem = max(optin_smem_of(cap), int(getattr(p, "shared_memory_per_block", 0) or 0))
+        sms = int(getattr(p, "multi_processor_count", 0) or 0) or 1
+        return DeviceProps(cap, sms, smem, str(getattr(p, "name", "")))
 
     @property
     def mma(self) -> str:
@@ -86,6 +96,29 @@ class DeviceProps:
         if major >= 8:
             return "mma"
         return "none"
+
+
+#: The largest shared memory one block may opt into (``cudaDevAttrMaxSharedMemoryPerBlockOptin``, bytes) per
+#: compute capability, from NVIDIA's CUDA C++ Programming Guide (table "Technical Specifications per Compute
+#: Capability"): what :meth:`DeviceProps.of` uses where torch does not report it (before torch 2.7).
+OPTIN_SMEM_BY_CAPABILITY: dict[tuple[int, int], int] = {
+    (8, 0): 166_912,  # A100, A30: 163 KB
+    (8, 6): 101_376,  # consumer / workstation Ampere: 99 KB
+    (8, 7): 166_912,  # Jetson Orin: 163 KB
+    (8, 9): 101_376,  # Ada: 99 KB
+    (9, 0): 232_448,  # Hopper: 227 KB
+    (10, 0): 232_448,  # datacenter Blackwell: 227 KB
+    (12, 0): 101_376,  # consumer Blackwell: 99 KB
+}
+
+
+def optin_smem_of(capability: tuple[int, int]) -> int:
+    """:data:`OPTIN_SMEM_BY_CAPABILITY` for ``capability``; for one not listed, the closest listed capability below
+    it of the same major version, else 48 KB (what every CUDA GPU allows without opting in)."""
+    if capability in OPTIN_SMEM_BY_CAPABILITY:
+        return OPTIN_SMEM_BY_CAPABILITY[capability]
+    same_major = [c for c in OPTIN_SMEM_BY_CAPABILITY if c[0] == capability[0] and c <= capability]
+    return OPTIN_SMEM_BY_CAPABILITY[max(same_major)] if same_major else 48 * 1024
 
 
 #: Devices the AOT test compiles for (one per shared-memory / instruction class).

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cce_dist.runtime import device_guard
 from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats
 
 from . import config as _config
@@ -1149,7 +1150,8 @@ def stats(
         _splits=_splits,
         _blocks=_blocks,
     )
-    kernel[grid](*args, **kwargs)
+    with device_guard(hs.device):  # Triton launches on the current device
+        kernel[grid](*args, **kwargs)
     local = torch.stack([combine_stack(out[:, i]) for i in range(k)])
     local[0, :, CROSS_COL] = 0.0  # the cross sum's slot, not a statistic
     return local, (out[:, :2] if cross is not None else None)
@@ -1203,7 +1205,8 @@ def rows(hs, ws, bs, ht, wt, bt, norm, *, divergence, beta, softcap, temperature
         _splits=_splits,
         _blocks=_blocks,
     )
-    kernel[grid](*args, **kwargs)
+    with device_guard(hs.device):
+        kernel[grid](*args, **kwargs)
     inv_s = torch.exp(-norm[:, :2, 1])  # 1 / S of the student (0) and the teacher (1)
     return out.sum(0) * (inv_s[:, [1, 0]] if divergence == "jsd" else inv_s[:, 1 if divergence == "kl" else 0, None])
 
@@ -1267,6 +1270,7 @@ def grads(
         deterministic=deterministic,
         _blocks=_blocks,
     )
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    with device_guard(hs.device):
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
     return dh, dw, db

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cce_dist.runtime import device_guard
 from cce_dist.stats import NUM_STATS, SUM_SCALE, combine_stack, empty_stats
 
 from . import config as _config
@@ -332,7 +333,8 @@ def row_stats(
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
 
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits_of(cfg_of(meta)))  # noqa: E731
-        kernel[grid](*args, **flags)
+        with device_guard(device):  # Triton launches (and autotunes) on the current device
+            kernel[grid](*args, **flags)
         # Tuning runs of other configs may have written more slabs; the final run of the chosen
         # config wrote exactly the first splits_of(chosen) of them.
         best = kernel.best_config.kwargs
@@ -341,7 +343,8 @@ def row_stats(
         c = configs[0]
         splits = splits_of(c)
         launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages)
-        _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
-            *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
-        )
+        with device_guard(device):
+            _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
+                *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
+            )
     return combine_stack(out[:splits])

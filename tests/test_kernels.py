@@ -552,7 +552,7 @@ def _plan_meta(n, deterministic, v=300, d=64, dtype=torch.bfloat16, **kw):
 def test_schedule_choice_is_chunked_at_any_n(monkeypatch):
     """Without ``_schedule`` the chunked schedule runs at every N, deterministic or not (its row
     blocks keep the scratch within budget: 70,000 and 131,072 bf16 tokens do not fit one 128-column
-    chunk of all rows); where it cannot run (``_chunked_fits`` False: too little free CUDA memory,
+    chunk of all rows); where it cannot run (``_chunked_verdict`` False: too little free CUDA memory,
     or deterministic algorithms without a pinned cuBLAS workspace) the per-tile kernel, or the
     owner-computes kernels when deterministic. The atomic schedules refuse ``deterministic``."""
     from cce_dist.kernels import backward as B
@@ -567,7 +567,7 @@ def test_schedule_choice_is_chunked_at_any_n(monkeypatch):
     for schedule in ("tiles", "super"):
         with pytest.raises(ValueError, match="not deterministic"):
             kernels(8192, True, _schedule=schedule)
-    monkeypatch.setattr(B, "_chunked_fits", lambda device, deterministic: False)
+    monkeypatch.setattr(B, "_chunked_verdict", lambda device, deterministic: (False, "too little memory (test)"))
     assert kernels(131_072, False) == {B._grads_fused_kernel}
     assert kernels(131_072, True) == {B._grads_dh_kernel, B._grads_dw_kernel}
 
