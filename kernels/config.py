@@ -316,14 +316,14 @@ def backward_config(
     matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
-    tcgen05, so filtering there gets 64x64 tiles."""
+    tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
     if compiler is None:
         compiler = triton_version()
     if props.mma == "tcgen05" and filtering and not deterministic and dtype != torch.float32 and compiler < (3, 8):
-        return BwdConfig(64, 64, 64, 64, group_n=8, num_warps=8, num_stages=3)
+        return BwdConfig(64, 64, 64, 32, group_n=8, num_warps=8, num_stages=3)
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
