@@ -25,6 +25,8 @@ a sharded DTensor weight must describe the same rows; its other fields (``stats_
 
 from __future__ import annotations
 
+from typing import Any
+
 from .options import CommonOptions
 from .parallel import VocabShard
 
@@ -37,7 +39,7 @@ def _types():
     return DTensor, Partial, Replicate, Shard
 
 
-def _mesh_1d(name: str, t) -> object:
+def _mesh_1d(name: str, t) -> Any:
     mesh = t.device_mesh
     if mesh.ndim != 1:
         raise ValueError(

@@ -329,7 +329,7 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     if is_patched(model):
         unpatch(model)
 
-    layer = model.output_layer
+    layer: Any = model.output_layer
     gate_name = "_postprocess" if callable(getattr(type(model), "_postprocess", None)) else "forward"
     gate_original = getattr(model, gate_name)
     gate_signature = inspect.signature(gate_original)
@@ -338,7 +338,7 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
             f"cce_dist.megatron.patch: {type(model).__name__}.{gate_name} takes no labels=; this "
             "megatron-core version is not supported"
         )
-    loss_original = model.compute_language_model_loss
+    loss_original: Any = model.compute_language_model_loss
     loss_signature = inspect.signature(loss_original)
     layer_original = layer.forward
     layer_signature = inspect.signature(layer_original)
@@ -387,7 +387,7 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
         original = getattr(owner, name)
         sig = inspect.signature(original)  # bound: without self; the installed method shows the same
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        fn.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+        setattr(fn, "__signature__", sig.replace(parameters=[self_param, *sig.parameters.values()]))  # noqa: B010
         fn.__doc__ = (original.__doc__ or "") + "\n\n(patched by cce_dist.megatron.patch)"
         fn.__name__ = name
         bound = types.MethodType(fn, owner)

@@ -100,7 +100,7 @@ def logits_t(
     With ``block``, float32 logits are written into it (no allocation), others copied into it.
     """
     direct = block is not None and weight.dtype == torch.float32
-    out = block.view(hidden.shape[0]) if direct else None
+    out = block.view(hidden.shape[0]) if block is not None and direct else None
     if bias is None:
         raw = torch.mm(weight, hidden.t(), out=out) if direct else torch.mm(weight, hidden.t())
     else:

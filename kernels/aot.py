@@ -139,11 +139,11 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
 
 
 def _meta_inputs(n: int, d: int, v: int, dtype: torch.dtype, bias: bool):
-    m = dict(device="meta")
-    h = torch.empty(n, d, dtype=dtype, **m)
-    w = torch.empty(v, d, dtype=dtype, **m)
-    b = torch.empty(v, dtype=dtype, **m) if bias else None
-    t = torch.empty(n, dtype=torch.int64, **m)
+    meta = torch.device("meta")
+    h = torch.empty(n, d, dtype=dtype, device=meta)
+    w = torch.empty(v, d, dtype=dtype, device=meta)
+    b = torch.empty(v, dtype=dtype, device=meta) if bias else None
+    t = torch.empty(n, dtype=torch.int64, device=meta)
     return h, w, b, t
 
 
@@ -344,8 +344,9 @@ def distill_launches(
     hs, ws, bs, t = _meta_inputs(n, ds, v, dtypes[0], bias)
     ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias)
     k = 3 if hard else 2
-    f32 = dict(dtype=torch.float32, device="meta")
-    norm, aux, g = torch.empty(n, k, 2, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    f32, meta = torch.float32, torch.device("meta")
+    norm = torch.empty(n, k, 2, dtype=f32, device=meta)
+    aux, g = torch.empty(n, dtype=f32, device=meta), torch.empty(n, dtype=f32, device=meta)
     geo = dict(softcap=softcap, temperature=temperature, props=props, allow_tf32=tf32)
     cross = None if divergence == "jsd" else divergence
     heads = (hs, ws, bs, ht, wt, bt)
@@ -355,7 +356,7 @@ def distill_launches(
         launches.append(_kd.plan_rows(*heads, norm, divergence=divergence, beta=0.5, **geo)[0])
     coefs = dict(vocab_start=0, divergence=divergence, beta=0.5, soft_coef=0.5, hard_coef=0.5 if hard else 0.0)
     needs = dict(need_hidden=True, need_weight=True, need_bias=True, deterministic=deterministic)
-    *_grads, grads = _kd.plan_grads(*heads, t, norm, aux, g, **coefs, **needs, **geo)
+    *_grads, grads = _kd.plan_grads(hs, ws, bs, ht, wt, bt, t, norm, aux, g, **coefs, **needs, **geo)
     return launches + grads
 
 
@@ -384,6 +385,7 @@ def distill_matrix(props: _config.DeviceProps):
     ]
     out = []
     for label, dtypes, tf32, kw in cases:
+        assert isinstance(kw, dict)
         for kernel, _grid, args, kwargs in distill_launches(props, dtypes, n, ds, dt, v, tf32=tf32, **kw):
             out.append((f"{label}/{kernel.fn.__name__}", kernel, args, kwargs))
     return out

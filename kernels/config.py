@@ -365,8 +365,8 @@ def all_backward_configs(props: DeviceProps, compiler: tuple[int, int] | None = 
             for sc in (False, True):
                 for flt in (False, True):
                     for det in (False, True):
-                        cfg = dict(tf32=tf32, softcap=sc, filtering=flt, deterministic=det, compiler=compiler)
-                        out.add(backward_config(props, dtype, **cfg))
+                        flags = dict(softcap=sc, filtering=flt, deterministic=det)
+                        out.add(backward_config(props, dtype, tf32=tf32, compiler=compiler, **flags))
     return out
 
 
