@@ -119,8 +119,6 @@ cases = {
                                                                    need_entropy=False),
   "forward softcap": aot.forward_launches(props, torch.bfloat16, N, D, V, softcap=30.0)[:1],
   "backward fused": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False),
-  "backward super-tile (opt-in)": aot.backward_launches(props, torch.bfloat16, N, D, V, need_bias=False,
-                                                        schedule="super"),
   "backward fused filter": aot.backward_launches(props, torch.bfloat16, N, D, V, filter_eps=2.0**-12),
   "backward deterministic (owner-computes)": aot.backward_launches(props, torch.bfloat16, N, D, V,
                                                                    deterministic=True, schedule="owner"),
@@ -218,13 +216,8 @@ def model(r: dict, g: dict, e: dict) -> dict:
     programs = math.prod(r["grid"])
     blocks = occupancy(r, g)
     slots = g["sms"] * max(blocks, 1)
-    if kern == "_grads_super_kernel":  # persistent: the work items are the 2x2 super-tiles
-        supers = math.ceil(math.ceil(N / bn) / 2) * math.ceil(math.ceil(V / bv) / 2)
-        waves = math.ceil(supers / min(programs, slots))
-        fill = supers / (waves * min(programs, slots)) * min(programs, slots) / slots
-    else:
-        waves = math.ceil(programs / slots)
-        fill = programs / (waves * slots)
+    waves = math.ceil(programs / slots)
+    fill = programs / (waves * slots)
     if kern == "_dz_store_kernel":
         # All chunks together: the same tiles as the forward (one recompute GEMM), dz stored once.
         programs = math.ceil(N / bn) * math.ceil(V / bv)
@@ -249,16 +242,11 @@ def model(r: dict, g: dict, e: dict) -> dict:
     else:
         per_tile_mma = {
             "_grads_fused_kernel": 3,
-            "_grads_super_kernel": 3,
             "_grads_dh_kernel": 2,
             "_grads_dw_kernel": 2,
         }[kern]
         mma_flops = per_tile_mma * 2 * logits * D
-        useful = (
-            {"_grads_fused_kernel": 4, "_grads_super_kernel": 4, "_grads_dh_kernel": 2, "_grads_dw_kernel": 2}[kern]
-            * logits
-            * D
-        )
+        useful = {"_grads_fused_kernel": 4, "_grads_dh_kernel": 2, "_grads_dw_kernel": 2}[kern] * logits * D
         alu = 14 + (4 if softcap else 0) + (3 if filt else 0)
         mufu = 1 + (1 if softcap else 0)
         if kern == "_grads_fused_kernel":
@@ -267,15 +255,6 @@ def model(r: dict, g: dict, e: dict) -> dict:
             # W re-read per group of token tiles; dW (fp32, > L2) read-modify-written per group.
             hbm = groups * wbytes + hbytes + groups * 2 * V * D * 4 + 2 * N * D * 4
             atomic_bytes = (math.ceil(V / bv) * N * D + math.ceil(N / bn) * V * D) * 4
-        elif kern == "_grads_super_kernel":
-            # Same as the per-tile kernel with 2x taller / wider output blocks: a dH block is updated
-            # once per pair of vocab tiles, a dW block once per pair of token tiles. Groups span
-            # 2 * GROUP_N token tiles. The parked dz tiles (3 writes, 4 reads of BLOCK_N x BLOCK_V
-            # per super-tile) stay in L2 and are not counted.
-            group = c.get("GROUP_N", 8)
-            groups = math.ceil(N / (2 * bn * group))
-            hbm = groups * wbytes + hbytes + groups * 2 * V * D * 4 + 2 * N * D * 4
-            atomic_bytes = (math.ceil(V / (2 * bv)) * N * D + math.ceil(N / (2 * bn)) * V * D) * 4
         elif kern == "_grads_dh_kernel":
             # Each program owns [BLOCK_N, D] fp32 of dH (load-add-store per vocab tile): the
             # resident programs' blocks exceed L2, so every update goes to HBM.
@@ -425,7 +404,7 @@ def _schedules(g: dict, n: int, e: dict) -> list[dict]:
             "acc 128x256 fp32 only fits in tensor memory; 0.75x atomics",
         )
         add(
-            "2x2 super-tiles (opt-in, _schedule='super')",
+            "2x2 super-tiles (not shipped: the Triton kernel spilled)",
             base_atomics / 2,
             132 * 3 * bn * bv * 2,
             1.0,
@@ -632,7 +611,6 @@ def reading_and_plan(rows: list[dict], sched: dict) -> tuple[list[str], list[str
         det_lo = sum(m["est_ms_low"] for k, m in h100.items() if k.startswith("backward deterministic"))
         det_hi = sum(m["est_ms_high"] for k, m in h100.items() if k.startswith("backward deterministic"))
         bwd = h100["backward fused/_grads_fused_kernel"]
-        sup = h100["backward super-tile (opt-in)/_grads_super_kernel"]
         reading += [
             f"Forward (best autotune candidate): {_r(fwd)} ms on H100, {_r(fwd, key='frac_peak')}% of bf16 peak, "
             f"bound by {fwd['bound']}; the elementwise epilogue costs {fwd['t_elem_ms']:.1f} ms of it. Without the "
@@ -643,9 +621,8 @@ def reading_and_plan(rows: list[dict], sched: dict) -> tuple[list[str], list[str
             "offers only on Blackwell (`tl.range(warp_specialize=True)`).",
             f"Per-tile fused backward (`_schedule='tiles'`): {_r(bwd)} ms, {_r(bwd, key='frac_peak')}% of peak, "
             f"bound by {bwd['bound_slow']}: {bwd['atomic_gb']:.0f} GB of fp32 atomics against "
-            f"{bwd['mma_tflop']:.0f} TFLOP of MMA ({_rng(bwd['t_mma_ms'], bwd['t_mma_ms_slow'], 0)} ms); the opt-in "
-            f"2x2 super-tile schedule issues {sup['atomic_gb']:.0f} GB and is estimated at {_r(sup)} ms (the model "
-            "ignores its spills). Unless atomics run far faster than assumed, atomic traffic, not tensor cores, "
+            f"{bwd['mma_tflop']:.0f} TFLOP of MMA ({_rng(bwd['t_mma_ms'], bwd['t_mma_ms_slow'], 0)} ms). "
+            "Unless atomics run far faster than assumed, atomic traffic, not tensor cores, "
             "sets the time of every schedule that adds with atomics.",
             f"Chunked dz (the default GPU schedule at every N, in 16 MB of scratch): {_r(chk)} ms on H100 "
             f"(recompute kernel {_rng(chk['t_mma_ms'] + chk['t_elem_ms'], chk['t_mma_ms_slow'] + chk['t_elem_ms'])} "
@@ -661,7 +638,7 @@ def reading_and_plan(rows: list[dict], sched: dict) -> tuple[list[str], list[str
         "Atomic bytes scale as N*V*D*(1/BLOCK_V + 1/BLOCK_N); for a fixed register budget (the 128x128 fp32 "
         "accumulator) the square tile is already optimal, so halving them needs a larger effective tile: "
         "2x2 super-tiles with three dz tiles parked in a per-program scratch (12.4 MB) halve them "
-        "(implemented, `_schedule='super'`, but it spills with Triton 3.9, so it is opt-in); "
+        "(implemented once, and removed: its kernel spilled with every Triton from 3.6 to 3.9); "
         "filtering removes them in proportion to the skipped tiles, but its epilogue needs 64-row tiles to "
         "stay spill-free, which costs 1.5x the atomics when few tiles are skipped (row 'backward fused "
         "filter': no skips assumed).",

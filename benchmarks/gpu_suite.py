@@ -84,7 +84,7 @@ METHODS = [
 ]
 #: Methods whose forward computes the gradients: report fwd+bwd only.
 GRAD_IN_FORWARD = {"liger"}
-SCHEDULES = ["chunked", "tiles", "owner", "super"]
+SCHEDULES = ["chunked", "tiles", "owner"]
 
 #: Per stage: (budget cap s, timeout of one case s, least budget to start it). Dry run: a fraction.
 STAGES: dict[str, tuple[float, float, float]] = {
@@ -598,7 +598,6 @@ KERNEL_CASES = {
     "forward cross-entropy (no SUM / ENTROPY)": dict(kind="fwd", need_sum=False, need_entropy=False),
     "backward chunked (default)": dict(kind="bwd", _schedule="chunked"),
     "backward fused": dict(kind="bwd", _schedule="tiles"),
-    "backward super-tile (opt-in)": dict(kind="bwd", _schedule="super"),
     "backward fused filter": dict(kind="bwd", _schedule="tiles", filter_eps=2.0**-12),
     "backward deterministic (owner-computes)": dict(kind="bwd", _schedule="owner", deterministic=True),
 }

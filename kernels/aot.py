@@ -210,7 +210,7 @@ def backward_launches(
 ):
     """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed).
 
-    ``schedule``: the backward's ``_schedule`` ("tiles", "super", "chunked", "owner"; the
+    ``schedule``: the backward's ``_schedule`` ("tiles", "chunked", "owner"; the
     deterministic calls use "owner" unless told otherwise). Only the Triton launches are returned: the
     chunked schedule's torch GEMMs are dropped, and of its dz launches per (vocab chunk, row block)
     (identical but for the chunk and the rows) the first and the last, whose chunk and row block may
@@ -306,8 +306,6 @@ def matrix(props: _config.DeviceProps):
                 f"{name}/{fname}/bwd-det",
                 backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True, **_FLAGS[fname]),
             )
-        if name in ("bf16", "tf32"):  # the opt-in 2x2 super-tile schedule
-            add(f"{name}/plain/bwd-super", backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="super"))
         for fname in {"bf16": ["plain", heavy], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}[name]:
             add(
                 f"{name}/{fname}/bwd-chunked",

@@ -39,7 +39,6 @@ Schedules (``_schedule``; see :func:`grads`):
   recomputes its logit tile once and adds its dH / dW / db contributions to the fp32 outputs with
   ``tl.atomic_add``, in ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the
   fp32 gradients, but ~300 GB of fp32 atomics at the paper shape, which bound it.
-- ``"super"`` (opt-in): 2x2 super-tiles, half the atomics of ``"tiles"``; spills with Triton 3.9.
 - ``"owner"`` (``deterministic=True`` where the chunked schedule cannot run: too little free memory,
   or ``torch.use_deterministic_algorithms`` without a pinned cuBLAS workspace): no float atomics and
   no scratch. A dH kernel gives each program one token tile and walks the vocab tiles in order; a
@@ -373,164 +372,6 @@ def _grads_fused_kernel(
             )  # fmt: skip
 
 
-@triton.jit
-def _drop_filtered(dz, keep, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """A super-tile's tile: ``(dz rounded to the MMA operand dtype, column sums of dz)``, dz zeroed
-    when the tile is filtered out (it contributes nothing, as in the fused kernel, even next to a
-    kept partner)."""
-    dz = tl.where(keep, dz, 0.0)
-    return round_to(dz, DTYPE, INTERP_BF16), tl.sum(dz, axis=0)
-
-
-@triton.jit
-def _grads_super_kernel(
-    H,
-    W,
-    Bias,
-    Targets,
-    LSE,
-    Coef,
-    DH,
-    DW,
-    DB,
-    Scratch,
-    N,
-    V,
-    D,
-    vocab_start,
-    softcap,
-    temperature,
-    filter_eps,
-    stride_hn,
-    stride_hd,
-    stride_wv,
-    stride_wd,
-    stride_b,
-    stride_t,
-    stride_cn,
-    stride_ck,
-    stride_dhn,
-    stride_dwv,
-    NEED_DH: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMP: tl.constexpr,
-    FILTER: tl.constexpr,
-    GAMMA_IN_TILE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr,
-    GROUP_N: tl.constexpr,
-):
-    """
-    Fused backward over 2x2 super-tiles (two token tiles x two vocab tiles), persistent: half the
-    global atomics of :func:`_grads_fused_kernel` for the same tiles and the same FLOPs.
-
-    Each dH row block is updated once per *pair* of vocab tiles (``dz_a @ W_a + dz_b @ W_b`` in one
-    fp32 accumulator, one atomic per element) and each dW row block once per pair of token tiles.
-    The four dz tiles of a super-tile are computed in turn (same code as the fused kernel); three
-    are parked in this program's slice of ``Scratch`` (compute dtype, ``[programs, 3, BLOCK_N,
-    BLOCK_V]``, i.e. 3 tiles per resident program: 12 MB for 132 programs of 128x128 bf16) until
-    their partner is ready, the fourth stays in registers. Order for tiles 00, 01, 10, 11
-    (token, vocab): dz00, dz01 -> dH0 += dz00 W0 + dz01 W1; dz10 -> dW0 += dz00' h0 + dz10' h1;
-    dz11 -> dW1 += dz01' h0 + dz11' h1, dH1 += dz10 W0 + dz11 W1. Program ``pid`` walks super-tiles
-    ``pid, pid + programs, ...`` in the grouped order of the fused kernel (L2 reuse of W).
-    Other parameters as in :func:`_grads_fused_kernel`.
-    """
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    num_sn = tl.cdiv(tl.cdiv(N, BLOCK_N), 2)
-    num_sv = tl.cdiv(tl.cdiv(V, BLOCK_V), 2)
-    tile = tl.arange(0, BLOCK_N).to(tl.int64)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)[None, :]
-    slot = Scratch + pid.to(tl.int64) * (3 * BLOCK_N * BLOCK_V) + tile
-    for st in range(pid, num_sn * num_sv, nprog):
-        sn, sv = swizzle(st, num_sn, num_sv, GROUP_N)
-        offs_n0 = (2 * sn).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        offs_n1 = offs_n0 + BLOCK_N
-        offs_v0 = (2 * sv).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-        offs_v1 = offs_v0 + BLOCK_V
-        n0_ok = offs_n0 < N
-        n1_ok = offs_n1 < N
-        v0_ok = offs_v0 < V
-        v1_ok = offs_v1 < V
-
-        # dz00, dz01: parked in slots 0 and 1 (dz01 also kept in registers for dH0).
-        dz, keep00, act0 = _dz_tile(
-            offs_n0, offs_v0, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
-        )  # fmt: skip
-        dzc, db0 = _drop_filtered(dz, keep00, H.dtype.element_ty, INTERP_BF16)
-        tl.store(slot, dzc.to(Scratch.dtype.element_ty))
-        dz, keep01, act0 = _dz_tile(
-            offs_n0, offs_v1, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
-        )  # fmt: skip
-        dzc, db1 = _drop_filtered(dz, keep01, H.dtype.element_ty, INTERP_BF16)
-        tl.store(slot + BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
-        tl.debug_barrier()
-        if NEED_DH:
-            if keep00 | keep01:
-                a0 = tl.load(slot).to(dzc.dtype)
-                _add_products(
-                    a0, W, offs_v0, v0_ok, stride_wv, stride_wd, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd, DH,
-                    offs_n0, n0_ok, stride_dhn, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
-                )  # fmt: skip
-
-        # dz10: parked in slot 2; dW0 from dz00 (slot 0) and dz10.
-        dz, keep10, act1 = _dz_tile(
-            offs_n1, offs_v0, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
-        )  # fmt: skip
-        dzc, db = _drop_filtered(dz, keep10, H.dtype.element_ty, INTERP_BF16)
-        db0 += db
-        tl.store(slot + 2 * BLOCK_N * BLOCK_V, dzc.to(Scratch.dtype.element_ty))
-        tl.debug_barrier()
-        if NEED_DB:
-            tl.atomic_add(DB + offs_v0, db0, mask=v0_ok, sem="relaxed")
-        if NEED_DW:
-            if keep00 | keep10:
-                a0 = tl.trans(tl.load(slot).to(dzc.dtype))
-                _add_products(
-                    a0, H, offs_n0, act0, stride_hn, stride_hd, tl.trans(dzc), H, offs_n1, act1, stride_hn, stride_hd,
-                    DW, offs_v0, v0_ok, stride_dwv, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
-                )  # fmt: skip
-
-        # dz11 (registers): dW1 from dz01 (slot 1) and dz11; dH1 from dz10 (slot 2) and dz11.
-        dz, keep11, act1 = _dz_tile(
-            offs_n1, offs_v1, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
-        )  # fmt: skip
-        dzc, db = _drop_filtered(dz, keep11, H.dtype.element_ty, INTERP_BF16)
-        db1 += db
-        if NEED_DB:
-            tl.atomic_add(DB + offs_v1, db1, mask=v1_ok, sem="relaxed")
-        if NEED_DW:
-            if keep01 | keep11:
-                a0 = tl.trans(tl.load(slot + BLOCK_N * BLOCK_V).to(dzc.dtype))
-                _add_products(
-                    a0, H, offs_n0, act0, stride_hn, stride_hd, tl.trans(dzc), H, offs_n1, act1, stride_hn, stride_hd,
-                    DW, offs_v1, v1_ok, stride_dwv, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
-                )  # fmt: skip
-        if NEED_DH:
-            if keep10 | keep11:
-                a0 = tl.load(slot + 2 * BLOCK_N * BLOCK_V).to(dzc.dtype)
-                _add_products(
-                    a0, W, offs_v0, v0_ok, stride_wv, stride_wd, dzc, W, offs_v1, v1_ok, stride_wv, stride_wd, DH,
-                    offs_n1, n1_ok, stride_dhn, D, True, DOT_PRECISION, INTERP_BF16, BLOCK_D_OUT,
-                )  # fmt: skip
-        tl.debug_barrier()  # every thread is done with the slots before the next super-tile
-
-
 # Its parameter list mirrors _grads_fused_kernel's, with the dz scratch and the db partial sums in
 # place of the gradients (plan() builds both from the same pieces).
 @triton.jit
@@ -770,7 +611,7 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
 
 
 #: Values of ``_schedule`` (see :func:`grads`); None picks one.
-SCHEDULES = ("chunked", "tiles", "super", "owner")
+SCHEDULES = ("chunked", "tiles", "owner")
 
 
 class _HostStep:
@@ -947,7 +788,7 @@ def plan(
     schedule = _schedule
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"_schedule must be None or one of {SCHEDULES}, got {schedule!r}")
-    if deterministic and schedule in ("tiles", "super"):
+    if deterministic and schedule == "tiles":
         raise ValueError(f"_schedule={schedule!r} adds with float atomics: not deterministic; use 'chunked' or 'owner'")
     n, d = hidden.shape
     v = weight.shape[0]
@@ -1046,26 +887,13 @@ def plan(
         launches = _chunked_launches(
             hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch, _chunk_rows
         )
-    elif schedule in ("tiles", "super"):
-        # The fused and the super-tile kernels take the same arguments (plus the super-tile's scratch).
-        extra = ()
+    elif schedule == "tiles":
         grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        kernel = _grads_fused_kernel
-        if schedule == "super":
-            supers = triton.cdiv(triton.cdiv(n, bn), 2) * triton.cdiv(triton.cdiv(v, bv), 2)
-            per_program = 3 * bn * bv * hidden.element_size()
-            # Persistent: one program per SM (or 3 in the interpreter, so tests walk several super-tiles
-            # per program), with the scratch capped at SUPER_SCRATCH_BYTES.
-            progs = 3 if props is None else props.sms
-            progs = max(1, min(supers, progs, _config.SUPER_SCRATCH_BYTES // per_program))
-            extra = (torch.empty(progs * 3 * bn * bv, dtype=hidden.dtype, device=device),)
-            grid = (progs,)
-            kernel = _grads_super_kernel
         outs = tuple(g if g is not None else dummy for g in (dh, dw, db))
         out_strides = tuple(g.stride(0) if g is not None else 0 for g in (dh, dw))
         need = dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None)
         kwargs = dict(**need, GROUP_N=group_n, **flags, **launch)
-        launches.append((kernel, grid, (*common, *outs, *extra, *scalars, *out_strides), kwargs))
+        launches.append((_grads_fused_kernel, grid, (*common, *outs, *scalars, *out_strides), kwargs))
     else:  # owner-computes
         if dh is not None:
             dh_flags = flags
@@ -1133,8 +961,7 @@ def grads(
     block, a kernel stores dz and two torch GEMMs consume it: no atomics, deterministic, 16 MB of
     scratch at any N; the default, for ``deterministic`` too), ``"tiles"`` (one program per tile
     pair, fp32 atomics; the fallback where the chunked one cannot run: less free CUDA memory than
-    its scratch), ``"super"`` (2x2 super-tiles: half the atomics, but with Triton 3.9 it spills on
-    sm_90/sm_100, so it stays opt-in) or ``"owner"`` (the owner-computes kernels: deterministic
+    its scratch) or ``"owner"`` (the owner-computes kernels: deterministic
     without scratch; ``deterministic``'s fallback, also under ``torch.use_deterministic_algorithms``
     without a pinned ``CUBLAS_WORKSPACE_CONFIG``). ``_chunk_rows`` (tests only): at most this many
     rows per row block of the chunked schedule (rounded down to a multiple of BLOCK_N), so that tiny

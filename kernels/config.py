@@ -233,10 +233,6 @@ def chunk_shape(
     return rows, min(vc, v_pad)
 
 
-#: Scratch the 2x2 super-tile backward may use for its parked dz tiles (3 tiles per resident
-#: program); the program count is capped so that it stays within this.
-SUPER_SCRATCH_BYTES = 16 << 20
-
 #: The smallest configs, used where nothing else fits and for fp32 without tensor cores (an FMA
 #: dot: small tiles keep the fp32 operands in registers without spilling).
 SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
