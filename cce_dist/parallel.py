@@ -314,6 +314,14 @@ class Comm:
         dist.all_gather(list(out.chunk(self.world, 0)), hidden.contiguous(), group=self.group)
         return out
 
+    def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part of a per-row tensor over all (gathered) tokens that matches the rows of
+        :meth:`reduce_hidden_grad`'s result: this rank's slice under sequence parallelism, else all."""
+        shard = self._group_shard()
+        if shard is None or not shard.sequence_parallel:
+            return rows
+        return rows.chunk(self.world, 0)[shard.rank]
+
     def reduce_hidden_grad(self, dh: torch.Tensor) -> torch.Tensor:
         """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel) or none."""
         shard = self._group_shard()
