@@ -72,6 +72,9 @@ class VocabShard:
     check: bool = True
 
     def __post_init__(self) -> None:
+        from .options import coerce_numbers
+
+        coerce_numbers(self, ("start", "stop"))  # e.g. numpy ints from a cumulative sum of shard sizes
         for name in ("start", "stop"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

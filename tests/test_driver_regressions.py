@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cce_dist import VocabShard, linear_cross_entropy, linear_logprobs
+from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_distillation, linear_logprobs
 
 N, D, V = 12, 16, 40
 
@@ -138,3 +139,80 @@ def test_tp_fused_infinite_upstream_ignored_rows_zero(rank_pool, sequence_parall
     for grads in results.values():
         for got in grads if isinstance(grads, tuple) else (grads,):
             assert torch.equal(got, torch.zeros_like(got)), got
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. options given as numpy scalars or 0-dim CPU tensors
+# ----------------------------------------------------------------------------------------------
+
+_SCALAR_KINDS = {
+    "numpy": lambda x: np.float32(x) if isinstance(x, float) else np.int64(x),
+    "tensor": lambda x: torch.tensor(x),
+}
+
+
+def _ce_call(opts):
+    h, w, b = _inputs(seed=3)
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+    t[0] = -1
+    return linear_cross_entropy(h, w, t, bias=b, **opts)
+
+
+def _lp_call(opts):
+    h, w, b = _inputs(seed=4)
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
+    return linear_logprobs(h, w, t, bias=b, return_entropy=True, **opts)
+
+
+def _distill_call(opts):
+    h, w, _ = _inputs(seed=5)
+    th, tw, _ = _inputs(seed=6)
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(5))
+    return linear_distillation(h, w, th.detach(), tw.detach(), t, divergence="jsd", **opts)
+
+
+_NUMERIC_OPTIONS = [
+    (_ce_call, dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0, ignore_index=-1, chunk_size=100, shift=1)),
+    (_lp_call, dict(temperature=0.7, softcap=15.0, ignore_index=-1, chunk_size=64, shift=1)),
+    (
+        _distill_call,
+        dict(temperature=0.7, beta=0.3, hard_label_weight=0.25, softcap=(20.0, 30.0), ignore_index=-1, chunk_size=64),
+    ),
+    (_distill_call, dict(softcap=25.0)),
+]
+
+
+@pytest.mark.parametrize("kind", sorted(_SCALAR_KINDS))
+@pytest.mark.parametrize("case", range(len(_NUMERIC_OPTIONS)))
+def test_numeric_options_accept_real_scalars(kind, case):
+    """Every numeric option as a numpy scalar / 0-dim tensor gives what the Python number (its float()) gives."""
+    call, opts = _NUMERIC_OPTIONS[case]
+    conv = _SCALAR_KINDS[kind]
+    given = {k: tuple(conv(x) for x in v) if isinstance(v, tuple) else conv(v) for k, v in opts.items()}
+    plain = {k: tuple(float(x) for x in v) if isinstance(v, tuple) else type(opts[k])(v) for k, v in given.items()}
+    got, want = call(given), call(plain)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(a, b)
+
+
+def test_module_and_shard_accept_numpy_scalars():
+    loss = LinearCrossEntropy(label_smoothing=np.float32(0.1), reduction="sum")
+    assert loss.options.label_smoothing == float(np.float32(0.1)) and type(loss.options.label_smoothing) is float
+    shard = VocabShard(None, np.int64(0), np.int64(V))
+    assert (shard.start, shard.stop) == (0, V) and type(shard.stop) is int
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (torch.tensor(0.7, requires_grad=True), "requires grad"),
+        (torch.tensor([0.7, 0.8]), "shape (2,)"),
+        (torch.tensor(0.7, device="meta"), "synchronize"),
+    ],
+)
+@pytest.mark.parametrize("fn", ["linear_logprobs", "linear_distillation"])
+def test_rejected_scalar_types_name_the_argument(value, why, fn):
+    call = _lp_call if fn == "linear_logprobs" else _distill_call
+    with pytest.raises(TypeError, match=r"temperature must be a number, got a torch\.Tensor.*") as info:
+        call(dict(temperature=value))
+    assert why in str(info.value)
