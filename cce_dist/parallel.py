@@ -94,6 +94,31 @@ class VocabShard:
         if self.group is None and self.start != 0:
             raise ValueError("VocabShard with group=None is a single device: start must be 0")
 
+    # The group is a process-local handle (it cannot be pickled): copies share it by reference, as torch's DeviceMesh
+    # does, so `copy.deepcopy(model)` (a reference model in RL) works and its loss runs on the same group.
+    def __copy__(self) -> VocabShard:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> VocabShard:
+        new = self.__copy__()  # every other field is an immutable scalar or string
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self) -> dict:
+        if self.group is not None:
+            raise TypeError(
+                f"cce_dist.VocabShard(start={self.start}, stop={self.stop}) cannot be pickled: it holds a "
+                f"torch.distributed process group ({type(self.group).__name__}), a handle that is valid only in this "
+                "process. copy.deepcopy shares the group; to build the shard in another process, send start/stop and "
+                "create VocabShard there with that process's own group"
+            )
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @classmethod
     def even(cls, vocab_size: int, group: dist.ProcessGroup | None, **kwargs) -> VocabShard:
         """Megatron's even split: rank r of a group of P holds ``[r*V/P, (r+1)*V/P)``."""

@@ -6,7 +6,9 @@ Each test failed on the code before its fix; numbers are compared with the plain
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -216,3 +218,49 @@ def test_rejected_scalar_types_name_the_argument(value, why, fn):
     with pytest.raises(TypeError, match=r"temperature must be a number, got a torch\.Tensor.*") as info:
         call(dict(temperature=value))
     assert why in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. copy.deepcopy of a model holding a VocabShard; pickling names the shard
+# ----------------------------------------------------------------------------------------------
+
+
+class _Policy(torch.nn.Module):
+    def __init__(self, w, shard):
+        super().__init__()
+        self.lm_head = torch.nn.Parameter(w)
+        self.loss = LinearCrossEntropy(shard=shard, reduction="sum")
+
+    def forward(self, h, t):
+        return self.loss(h, self.lm_head, t)
+
+
+def _deepcopy_body(rank, world, group):
+    h, w, _ = _inputs(seed=7)
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(7))
+    per = V // world
+    policy = _Policy(w.detach()[rank * per : (rank + 1) * per].clone(), VocabShard.even(V, group))
+    ref = copy.deepcopy(policy)  # raised "cannot pickle ProcessGroup" before
+    out = {
+        "shares_group": ref.loss.options.shard.group is group,
+        "copied_param": ref.lm_head is not policy.lm_head and torch.equal(ref.lm_head, policy.lm_head),
+        "same_loss": torch.equal(ref(h.detach(), t), policy(h.detach(), t)),
+    }
+    try:
+        pickle.dumps(policy.loss.options.shard)
+        out["pickle_error"] = None
+    except TypeError as e:
+        out["pickle_error"] = str(e)
+    return out
+
+
+def test_deepcopy_of_model_with_vocab_shard_shares_group(rank_pool):
+    for res in rank_pool(2).run(_deepcopy_body).values():
+        assert res["shares_group"] and res["copied_param"] and res["same_loss"], res
+        msg = res["pickle_error"]
+        assert msg is not None and "VocabShard" in msg and "process group" in msg and "deepcopy" in msg, msg
+
+
+def test_vocab_shard_without_group_still_pickles():
+    shard = VocabShard(None, 0, V, stats_collective="allgather")
+    assert pickle.loads(pickle.dumps(shard)) == shard == copy.deepcopy(shard)
