@@ -93,6 +93,20 @@ def coerce_numbers(options, names: tuple[str, ...]) -> None:
         object.__setattr__(options, name, value)
 
 
+#: fields the tensor-parallel handshake does not compare: the shard (exchanged as the layout), and options that change
+#: only this rank's local arithmetic, never which collectives run or their sizes (``impl`` is compared as the
+#: implementation it resolved to, ``grad_in_forward`` as whether the gradients are formed in forward)
+HANDSHAKE_EXCLUDED = frozenset({"shard", "impl", "filter_eps", "deterministic", "grad_in_forward"})
+
+
+def handshake_options(options) -> tuple[tuple[str, object], ...]:
+    """``(field name, value)`` of every field of the options dataclass ``options`` that all ranks of a
+    tensor-parallel group must agree on, named as the keyword the caller passed."""
+    return tuple(
+        (f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name not in HANDSHAKE_EXCLUDED
+    )
+
+
 def _check_shift(shift: bool | int) -> int:
     if isinstance(shift, bool):
         return int(shift)

@@ -9,13 +9,21 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_distillation, linear_logprobs
+from cce_dist import (
+    InputError,
+    LinearCrossEntropy,
+    VocabShard,
+    linear_cross_entropy,
+    linear_distillation,
+    linear_logprobs,
+)
 
 N, D, V = 12, 16, 40
 
@@ -264,3 +272,58 @@ def test_deepcopy_of_model_with_vocab_shard_shares_group(rank_pool):
 def test_vocab_shard_without_group_still_pickles():
     shard = VocabShard(None, 0, V, stats_collective="allgather")
     assert pickle.loads(pickle.dumps(shard)) == shard == copy.deepcopy(shard)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. the handshake names the component the ranks disagree on
+# ----------------------------------------------------------------------------------------------
+
+
+def _disagree_body(rank, world, group, case):
+    """Ranks that differ in one component (and, like data-parallel ranks of a wrongly sharded head, in their
+    targets too); returns the error each rank raised."""
+    h, w, _ = _inputs(seed=8)
+    gen = torch.Generator().manual_seed(8 + (rank if case != "temperature" else 0))
+    t = torch.randint(0, V, (N,), generator=gen)  # differs by rank except for "temperature"
+    per = V // world
+    start, stop = rank * per, (rank + 1) * per
+    if case == "weight_rows":  # rank 1's weight holds more rows than the layout leaves it: [10, 40) overlaps
+        start, stop = (0, per) if rank == 0 else (per // 2, V)
+    if case == "hidden_size" and rank == 1:
+        h, w = h[:, : D // 2], w[:, : D // 2]
+    shard = VocabShard(group, start, stop)
+    try:
+        if case == "temperature":
+            th, tw, _ = _inputs(seed=9)
+            linear_distillation(h, w[start:stop], th, tw[start:stop].detach(), t, shard=shard, temperature=1.0 + rank)
+        else:
+            linear_cross_entropy(h, w[start:stop], t, shard=shard)
+    except InputError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "case, lead, absent",
+    [
+        (
+            "weight_rows",
+            r"^cce_dist: the vocab rows the ranks' weights hold \(weight\.shape\[0\] by rank: \[20, 30\]\)",
+            None,
+        ),
+        ("hidden_size", r"^cce_dist: ranks of the tensor-parallel group disagree on the hidden size .*weight", None),
+        ("targets", r"^cce_dist: ranks of the tensor-parallel group disagree on the target ids", "weight"),
+        (
+            "temperature",
+            r"^cce_dist: ranks of the tensor-parallel group disagree on the loss options: temperature",
+            "label_smoothing",
+        ),
+    ],
+)
+def test_handshake_names_what_differs(rank_pool, case, lead, absent):
+    for rank, msg in rank_pool(2).run(_disagree_body, case=case).items():
+        assert msg is not None and re.search(lead, msg), f"rank {rank}: {msg}"
+        if case in ("weight_rows", "hidden_size"):
+            assert "target ids" in msg and msg.index("target ids") > msg.index("weight"), msg  # named, but second
+        if absent is not None:
+            assert absent not in msg, msg
