@@ -32,6 +32,16 @@ DEFAULT_CHUNK_SIZE = 1 << 24
 MIN_CHUNK_TOKENS = 256
 
 
+try:  # numpy's integer and real floating scalar types (torch imports numpy when it is installed)
+    import numpy as _np
+
+    _NUMPY_INTS: tuple[type, ...] = (_np.int8, _np.int16, _np.int32, _np.int64, _np.uint8, _np.uint16, _np.uint32)
+    _NUMPY_INTS += (_np.uint64, _np.intc, _np.uintc, _np.longlong, _np.ulonglong, _np.intp, _np.uintp)
+    _NUMPY_FLOATS: tuple[type, ...] = (_np.float16, _np.float32, _np.float64, _np.longdouble)
+except ImportError:  # pragma: no cover
+    _NUMPY_INTS = _NUMPY_FLOATS = ()
+
+
 def real_scalar(name: str, x):
     """An option's value as a plain Python number where it is a real-number scalar of another kind; anything else
     unchanged (the option's own check then accepts or rejects it).
@@ -40,7 +50,8 @@ def real_scalar(name: str, x):
     - 0-dim CPU tensors that do not require grad: ``float()`` / ``int()`` of a floating / integer tensor.
     - tensors refused with a TypeError naming the option and the type: one that requires grad (an option is a
       constant; no gradient reaches it), one on another device (reading it would wait for that device), and one
-      with more than one element.
+      with more than one element; under torch.compile, numpy values and tensors (Dynamo traces them as data, which
+      the checks cannot read): convert them outside the compiled region (or let the call graph-break).
 
     Called once per numeric option while the options are validated (:func:`coerce_numbers`), so every entry point
     agrees, and the (fingerprinted) options hold plain numbers, identical across ranks."""
@@ -50,17 +61,30 @@ def real_scalar(name: str, x):
         return int(x)
     if isinstance(x, (int, float)) and type(x) in (int, float):
         return x
-    import numpy as np  # a dependency of torch's numpy interop; imported only when needed
+    if type(x).__module__ == "numpy":  # a numpy scalar type (under torch.compile: a traced array)
+        if type(x) in _NUMPY_INTS:
+            return int(x)
+        if type(x) in _NUMPY_FLOATS:
+            return float(x)
+        import torch
 
-    if isinstance(x, np.bool_):
-        return x
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.floating):
-        return float(x)
+        if torch.compiler.is_compiling():
+            # Dynamo traces a numpy scalar as a 0-dim array whose value is data (a guard on it would fail)
+            raise TypeError(
+                f"{name} must be a Python number under torch.compile, got a numpy value; convert it outside the "
+                f"compiled region, e.g. {name}=float(value)"
+            )
+        if getattr(x, "ndim", None) == 0 and x.dtype.kind in "iuf":  # a 0-dim array
+            return int(x) if x.dtype.kind in "iu" else float(x)
+        return x  # a numpy bool, complex, array, ...: the option's own check decides
     import torch
 
     if isinstance(x, torch.Tensor):
+        if torch.compiler.is_compiling():  # float() of a traced tensor is data, which the checks cannot guard on
+            raise TypeError(
+                f"{name} must be a Python number under torch.compile, got a torch.Tensor; convert it outside the "
+                f"compiled region, e.g. {name}=float(value)"
+            )
         what = f"a torch.Tensor (dtype {x.dtype}, shape {tuple(x.shape)}, device {x.device})"
         if x.numel() != 1 or x.dim() != 0:
             raise TypeError(f"{name} must be a number, got {what}; pass a Python number")
@@ -74,9 +98,9 @@ def real_scalar(name: str, x):
                 f"{name} must be a number, got {what}: reading it would synchronize with the device on every call; "
                 "pass a Python number (e.g. computed once with .item())"
             )
-        if x.dtype == torch.bool:
-            return x
-        return float(x) if (x.is_floating_point() or x.is_complex()) else int(x)
+        if x.dtype == torch.bool or x.is_complex():
+            return x  # the option's own check rejects it
+        return float(x) if x.is_floating_point() else int(x)
     if isinstance(x, float) and type(x) is not float:  # a float subclass (e.g. np.float64 is handled above)
         return float(x)
     return x

@@ -372,3 +372,22 @@ def test_distillation_all_ignored_infinite_upstream_gives_zero_grads(impl, grad_
     (loss / 0.0).backward()
     for got in _grads(h, w, b):
         assert torch.equal(got, torch.zeros_like(got)), got
+
+
+@pytest.mark.parametrize("kind", sorted(_SCALAR_KINDS))
+def test_scalar_options_under_compile(kind):
+    """Under torch.compile: fullgraph names the option (Dynamo traces the value as data); otherwise the call
+    graph-breaks and gives the eager result."""
+    h, w, b = (x.detach() for x in _inputs(seed=10))
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(10))
+    value = _SCALAR_KINDS[kind](0.1)
+
+    def f(h, w, t):
+        return linear_cross_entropy(h, w, t, label_smoothing=value)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"label_smoothing must be a Python number under torch\.compile"):
+        torch.compile(f, fullgraph=True, backend="eager")(h, w, t)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eager")(h, w, t)
+    assert torch.equal(got, linear_cross_entropy(h, w, t, label_smoothing=float(value)))
