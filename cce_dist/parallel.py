@@ -19,6 +19,7 @@ Per call, on a group of ``P`` ranks:
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,25 @@ AUTO_ALLGATHER_MAX_ROWS_X_RANKS = 32768
 
 class InputError(ValueError):
     """An input was rejected; under a tensor-parallel group every rank raises it together."""
+
+
+def _integer(name: str, v):
+    """``v`` as a Python int where it is an integer scalar of another kind (a numpy integer, a 0-dim integer CPU
+    tensor: anything with ``__index__``), else unchanged for the caller's check; a tensor on another device raises
+    (reading it would synchronize with the device), naming ``name``."""
+    if isinstance(v, bool) or type(v) is int:
+        return v
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "cpu" or v.dim() != 0 or v.is_floating_point() or v.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be an int, got a torch.Tensor (dtype {v.dtype}, shape {tuple(v.shape)}, device "
+                f"{v.device}); pass a Python int"
+            )
+        return int(v)
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
 
 
 @dataclass(frozen=True)
@@ -72,11 +92,9 @@ class VocabShard:
     check: bool = True
 
     def __post_init__(self) -> None:
-        from .options import coerce_numbers
-
-        coerce_numbers(self, ("start", "stop"))  # e.g. numpy ints from a cumulative sum of shard sizes
         for name in ("start", "stop"):
-            v = getattr(self, name)
+            v = _integer(f"VocabShard.{name}", getattr(self, name))  # e.g. numpy ints from a cumsum of shard sizes
+            object.__setattr__(self, name, v)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"VocabShard.{name} must be a non-negative int, got {v!r}")
         if self.stop < self.start:
