@@ -18,8 +18,16 @@ from torch import nn
 from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
-from .options import CommonOptions, CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
-from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
+from .options import (
+    CommonOptions,
+    CrossEntropyOptions,
+    FilterEps,
+    Impl,
+    LogprobOptions,
+    Reduction,
+    handshake_options,
+)
+from .parallel import Comm, Layout, VocabShard, handshake
 from .prepare import (
     Prepared,
     backend_kwargs,
@@ -48,7 +56,7 @@ def _plan(
     bias,
     opts: CommonOptions,
     form: str,
-    extra_fp: tuple,
+    extra: tuple[tuple[str, object], ...],
     *,
     need_entropy: bool,
     need_sum: bool,
@@ -77,7 +85,7 @@ def _plan(
             raise ValueError(f"a single-rank VocabShard must start at 0, got start={shard.start}")
         layout = Layout(vocab_size=v_total, n_tokens=rows.targets.numel(), max_local=weight.shape[0])
     else:
-        layout, rows = _exchange(shard, error, rows, hidden, weight, bias, opts, form, extra_fp, backend.NAME)
+        layout, rows = _exchange(shard, error, rows, hidden, weight, bias, opts, form, extra, backend.NAME)
 
     kw = backend_kwargs(
         backend,
@@ -109,7 +117,7 @@ def _exchange(
     bias,
     opts: CommonOptions,
     form: str,
-    extra_fp: tuple,
+    extra: tuple[tuple[str, object], ...],
     backend_name: str,
 ) -> tuple[Layout, Prepared]:
     """A group of more than one rank: the handshake (or, with ``check=False``, the vocab size alone).
@@ -118,22 +126,21 @@ def _exchange(
     sp = shard.sequence_parallel
     n_local = hidden.shape[0] if (rows is not None and sp) else 0
     n_tokens = rows.targets.numel() if rows is not None else 0
-    # Everything that decides which collectives run, and with what sizes, must agree.
-    # The resolved implementation too: the torch one forms scalar-loss gradients in forward with one statistics
-    # collective per token chunk, the triton one issues a single one.
-    fp = fingerprint(
-        form,
-        extra_fp,
-        opts.ignore_index,
-        opts.softcap,
-        opts.shift,
-        opts.chunk_size,
-        sp,
-        shard.reduce_hidden_grad,
-        shard.stats_collective,
-        str(None if rows is None else rows.compute_dtype),
-        grad_needs(hidden, weight, bias),
-        backend_name,
+    # Everything that decides which collectives run, and with what sizes, must agree; each is named, so a
+    # disagreement names what differs. The resolved implementation too: the torch one forms scalar-loss gradients in
+    # forward with one statistics collective per token chunk, the triton one issues a single one.
+    named = (
+        (("the loss", form),)
+        + handshake_options(opts)
+        + extra
+        + (
+            ("sequence_parallel", sp),
+            ("reduce_hidden_grad", shard.reduce_hidden_grad),
+            ("stats_collective", shard.stats_collective),
+            ("the compute dtype", str(None if rows is None else rows.compute_dtype)),
+            ("which of hidden/weight/bias require grad", grad_needs(hidden, weight, bias)),
+            ("the implementation (torch/triton) that impl= resolved to", backend_name),
+        )
     )
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     if not shard.check:
@@ -152,7 +159,7 @@ def _exchange(
         n_tokens=n_tokens,
         n_local_tokens=n_local,
         hidden_dim=hidden.shape[-1] if error is None else 0,
-        options_fp=fp,
+        options=named,
         targets=None if rows is None else rows.targets,
         ignore_index=opts.ignore_index,
         device=device,
@@ -188,9 +195,17 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions) -> 
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
     fused = opts.reduction != "none" and not opts.return_lse and opts.grad_in_forward is not False and wants_grad
-    extra = (opts.reduction, opts.label_smoothing, opts.z_loss, opts.return_lse, wants_grad, fused)
+    extra = (("whether any of hidden/weight/bias requires grad", wants_grad), ("grad_in_forward (in effect)", fused))
     rows, plan = _plan(
-        hidden, weight, targets, bias, opts, "ce", extra, need_entropy=False, need_sum=bool(opts.label_smoothing)
+        hidden,
+        weight,
+        targets,
+        bias,
+        opts,
+        "cross-entropy",
+        extra,
+        need_entropy=False,
+        need_sum=bool(opts.label_smoothing),
     )
     if fused and plan.backend.FUSED_CHUNKING:
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
@@ -204,9 +219,9 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
 
         return compiled_logprobs(hidden, weight, targets, bias, opts)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
-    extra = (opts.temperature, opts.return_entropy, any(grad_needs(hidden, weight, bias)))
+    extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     rows, plan = _plan(
-        hidden, weight, targets, bias, opts, "logprob", extra, need_entropy=opts.return_entropy, need_sum=False
+        hidden, weight, targets, bias, opts, "logprobs", extra, need_entropy=opts.return_entropy, need_sum=False
     )
     lp, ent = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     return logprob_result(lp, ent, rows, opts)

@@ -261,6 +261,10 @@ class FusedCrossEntropy(torch.autograd.Function):
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.grads = [None if t is None else t.to(_held_dtype(dtype)) for t, dtype in zip((dh, dw, db), ctx.grad_dtypes)]
         ctx.inv_unit = 1.0 / unit
+        # An ignored row's held gradient is 0 and must stay 0 for any upstream value (0 * inf is NaN): the hidden
+        # rows this rank's dh holds that are valid, and whether any row is (dW and db are sums over valid rows).
+        ctx.valid_rows = None if dh is None else comm.local_rows(valid).unsqueeze(-1)
+        ctx.any_valid = n_valid > 0
         return loss
 
     @staticmethod
@@ -274,14 +278,21 @@ class FusedCrossEntropy(torch.autograd.Function):
             )
         ctx.grads = None
         factor = g.to(torch.float32) * ctx.inv_unit  # float32: a loss scale of 2**16 is inf as an fp16 number
+        if not ctx.any_valid:  # every row ignored: the gradients are 0 whatever g is (inf * 0 would be NaN)
+            factor = torch.zeros_like(factor)
         out = []
-        for t, dtype in zip(grads, ctx.grad_dtypes):
+        for i, (t, dtype) in enumerate(zip(grads, ctx.grad_dtypes)):
             if t is None:
                 out.append(None)
-            elif t.dtype == torch.float32:  # ours (an accumulator): scale in place, then round once to the dtype
-                out.append(t.mul_(factor).to(dtype))
+                continue
+            if t.dtype == torch.float32:  # ours (an accumulator): scale in place, then round once to the dtype
+                scaled = t.mul_(factor)
             else:  # held in the tensor's own dtype: multiply in float32, round once
-                out.append((t.float() * factor).to(dtype))
+                scaled = t.float() * factor
+            if i == 0 and ctx.any_valid:  # dh: an ignored row stays exactly 0 (the plain program's value)
+                scaled = torch.where(ctx.valid_rows, scaled, torch.zeros_like(scaled))
+            out.append(scaled.to(dtype))
+        ctx.valid_rows = None
         return tuple(out) + (None, None, None)
 
 

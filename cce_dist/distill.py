@@ -13,8 +13,8 @@ import math
 import torch
 
 from .distill_autograd import DistillPlan, DistillRows, FusedDistill
-from .options import DistillationOptions, Divergence, Impl, Reduction
-from .parallel import Comm, Layout, VocabShard, fingerprint, handshake
+from .options import DistillationOptions, Divergence, Impl, Reduction, handshake_options
+from .parallel import Comm, Layout, VocabShard, handshake
 from .prepare import check_target_range, compute_dtype, grad_needs, resolve_backend, resolve_deterministic
 from .torch_impl import chunk_tokens
 
@@ -138,30 +138,28 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
         shape = _token_shape(sh, shard) if error is None else ()
         n_tokens = math.prod(shape) if error is None else 0
         n_local = sh.shape[0] if (error is None and sp) else 0
-        # Everything that decides which collectives run, and with what sizes, must agree.
-        fp = fingerprint(
-            "distill",
-            opts.divergence,
-            opts.beta,
-            opts.temperature,
-            opts.scale_by_temperature_squared,
-            opts.hard_label_weight,
-            opts.ignore_index,
-            opts.reduction,
-            opts.softcap,
-            opts.chunk_size,
-            impl,  # the implementations issue different collectives (per token chunk or per call)
-            sp,
-            shard.reduce_hidden_grad,
-            shard.stats_collective,
-            str(s_dtype),
-            str(t_dtype),
-            None if error is not None else th.shape[-1],
-            targets is None,
-            sb is None,
-            tb is None,
-            grad_needs(sh, sw, sb),
-            fused,
+        # Everything that decides which collectives run, and with what sizes, must agree; each is named (the options
+        # after their dataclass fields), so a disagreement names what differs.
+        named = (
+            (("the loss", "distillation"),)
+            + handshake_options(opts)
+            + (
+                ("the implementation (torch/triton) that impl= resolved to", impl),  # per token chunk or per call
+                ("sequence_parallel", sp),
+                ("reduce_hidden_grad", shard.reduce_hidden_grad),
+                ("stats_collective", shard.stats_collective),
+                ("the student's compute dtype", str(s_dtype)),
+                ("the teacher's compute dtype", str(t_dtype)),
+                (
+                    "the teacher's hidden size (teacher_hidden.shape[-1] = teacher_weight.shape[1])",
+                    None if error is not None else th.shape[-1],
+                ),
+                ("whether targets are given", targets is None),
+                ("whether student_bias is given", sb is None),
+                ("whether teacher_bias is given", tb is None),
+                ("which of student_hidden/student_weight/student_bias require grad", grad_needs(sh, sw, sb)),
+                ("grad_in_forward (in effect)", fused),
+            )
         )
         if not shard.check:
             if error is not None:
@@ -177,7 +175,7 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
             n_tokens=n_tokens,
             n_local_tokens=n_local,
             hidden_dim=sh.shape[-1] if error is None else 0,
-            options_fp=fp,
+            options=named,
             targets=t,
             ignore_index=opts.ignore_index,
             device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"),

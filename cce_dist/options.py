@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     from .parallel import VocabShard
@@ -30,6 +30,105 @@ IMPLS = ("auto", "torch", "triton")
 #: gradient for a head dimension >= 256. An explicit int is a hard cap (at least one token).
 DEFAULT_CHUNK_SIZE = 1 << 24
 MIN_CHUNK_TOKENS = 256
+
+
+try:  # numpy's integer and real floating scalar types (torch imports numpy when it is installed)
+    import numpy as _np
+
+    _NUMPY_INTS: tuple[type, ...] = (_np.int8, _np.int16, _np.int32, _np.int64, _np.uint8, _np.uint16, _np.uint32)
+    _NUMPY_INTS += (_np.uint64, _np.intc, _np.uintc, _np.longlong, _np.ulonglong, _np.intp, _np.uintp)
+    _NUMPY_FLOATS: tuple[type, ...] = (_np.float16, _np.float32, _np.float64, _np.longdouble)
+except ImportError:  # pragma: no cover
+    _NUMPY_INTS = _NUMPY_FLOATS = ()
+
+
+def real_scalar(name: str, x):
+    """An option's value as a plain Python number where it is a real-number scalar of another kind; anything else
+    unchanged (the option's own check then accepts or rejects it).
+
+    - numpy scalars: ``np.float32(0.1)`` -> ``0.1`` (float), ``np.int64(3)`` -> ``3`` (int); numpy bools stay.
+    - 0-dim CPU tensors that do not require grad: ``float()`` / ``int()`` of a floating / integer tensor.
+    - tensors refused with a TypeError naming the option and the type: one that requires grad (an option is a
+      constant; no gradient reaches it), one on another device (reading it would wait for that device), and one
+      with more than one element; under torch.compile, numpy values and tensors (Dynamo traces them as data, which
+      the checks cannot read): convert them outside the compiled region (or let the call graph-break).
+
+    Called once per numeric option while the options are validated (:func:`coerce_numbers`), so every entry point
+    agrees, and the (fingerprinted) options hold plain numbers, identical across ranks."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int) and type(x) is not int:  # e.g. an IntEnum: its value
+        return int(x)
+    if isinstance(x, (int, float)) and type(x) in (int, float):
+        return x
+    if type(x).__module__ == "numpy":  # a numpy scalar type (under torch.compile: a traced array)
+        if type(x) in _NUMPY_INTS:
+            return int(x)
+        if type(x) in _NUMPY_FLOATS:
+            return float(x)
+        import torch
+
+        if torch.compiler.is_compiling():
+            # Dynamo traces a numpy scalar as a 0-dim array whose value is data (a guard on it would fail)
+            raise TypeError(
+                f"{name} must be a Python number under torch.compile, got a numpy value; convert it outside the "
+                f"compiled region, e.g. {name}=float(value)"
+            )
+        if getattr(x, "ndim", None) == 0 and x.dtype.kind in "iuf":  # a 0-dim array
+            return int(x) if x.dtype.kind in "iu" else float(x)
+        return x  # a numpy bool, complex, array, ...: the option's own check decides
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        if torch.compiler.is_compiling():  # float() of a traced tensor is data, which the checks cannot guard on
+            raise TypeError(
+                f"{name} must be a Python number under torch.compile, got a torch.Tensor; convert it outside the "
+                f"compiled region, e.g. {name}=float(value)"
+            )
+        what = f"a torch.Tensor (dtype {x.dtype}, shape {tuple(x.shape)}, device {x.device})"
+        if x.numel() != 1 or x.dim() != 0:
+            raise TypeError(f"{name} must be a number, got {what}; pass a Python number")
+        if x.requires_grad:
+            raise TypeError(
+                f"{name} must be a number, got {what} that requires grad: an option is a constant and receives no "
+                f"gradient; pass float({name}.detach()) if that is intended"
+            )
+        if x.device.type != "cpu":
+            raise TypeError(
+                f"{name} must be a number, got {what}: reading it would synchronize with the device on every call; "
+                "pass a Python number (e.g. computed once with .item())"
+            )
+        if x.dtype == torch.bool or x.is_complex():
+            return x  # the option's own check rejects it
+        return float(x) if x.is_floating_point() else int(x)
+    if isinstance(x, float) and type(x) is not float:  # a float subclass (e.g. np.float64 is handled above)
+        return float(x)
+    return x
+
+
+def coerce_numbers(options, names: tuple[str, ...]) -> None:
+    """Replace each named field of the frozen ``options`` by :func:`real_scalar` of it (tuples element-wise)."""
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, tuple):
+            value = tuple(real_scalar(name, v) for v in value)
+        else:
+            value = real_scalar(name, value)
+        object.__setattr__(options, name, value)
+
+
+#: fields the tensor-parallel handshake does not compare: the shard (exchanged as the layout), and options that change
+#: only this rank's local arithmetic, never which collectives run or their sizes (``impl`` is compared as the
+#: implementation it resolved to, ``grad_in_forward`` as whether the gradients are formed in forward)
+HANDSHAKE_EXCLUDED = frozenset({"shard", "impl", "filter_eps", "deterministic", "grad_in_forward"})
+
+
+def handshake_options(options) -> tuple[tuple[str, object], ...]:
+    """``(field name, value)`` of every field of the options dataclass ``options`` that all ranks of a
+    tensor-parallel group must agree on, named as the keyword the caller passed."""
+    return tuple(
+        (f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name not in HANDSHAKE_EXCLUDED
+    )
 
 
 def _check_shift(shift: bool | int) -> int:
@@ -66,7 +165,11 @@ class CommonOptions:
     filter_eps: FilterEps = None
     deterministic: bool = False
 
+    #: the fields holding numbers (:func:`coerce_numbers`); subclasses extend it
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = ("ignore_index", "softcap", "shift", "chunk_size", "filter_eps")
+
     def __post_init__(self) -> None:
+        coerce_numbers(self, self.NUMBER_FIELDS)
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         object.__setattr__(self, "softcap", _check_softcap(self.softcap))
@@ -126,6 +229,8 @@ class CrossEntropyOptions(CommonOptions):
     return_lse: bool = False
     grad_in_forward: bool | None = None
 
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = CommonOptions.NUMBER_FIELDS + ("label_smoothing", "z_loss")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduction not in REDUCTIONS:
@@ -147,6 +252,8 @@ class LogprobOptions(CommonOptions):
 
     temperature: float = 1.0
     return_entropy: bool = False
+
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = CommonOptions.NUMBER_FIELDS + ("temperature",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -217,7 +324,18 @@ class DistillationOptions:
     grad_in_forward: bool | None = None
     deterministic: bool = False
 
+    #: the fields holding numbers (:func:`coerce_numbers`)
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "beta",
+        "temperature",
+        "hard_label_weight",
+        "ignore_index",
+        "softcap",
+        "chunk_size",
+    )
+
     def __post_init__(self) -> None:
+        coerce_numbers(self, self.NUMBER_FIELDS)
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         object.__setattr__(self, "beta", _check_number("beta", self.beta, 0.0, 1.0, lo_open=True, hi_open=True))

@@ -19,6 +19,7 @@ Per call, on a group of ``P`` ranks:
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,25 @@ AUTO_ALLGATHER_MAX_ROWS_X_RANKS = 32768
 
 class InputError(ValueError):
     """An input was rejected; under a tensor-parallel group every rank raises it together."""
+
+
+def _integer(name: str, v):
+    """``v`` as a Python int where it is an integer scalar of another kind (a numpy integer, a 0-dim integer CPU
+    tensor: anything with ``__index__``), else unchanged for the caller's check; a tensor on another device raises
+    (reading it would synchronize with the device), naming ``name``."""
+    if isinstance(v, bool) or type(v) is int:
+        return v
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "cpu" or v.dim() != 0 or v.is_floating_point() or v.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be an int, got a torch.Tensor (dtype {v.dtype}, shape {tuple(v.shape)}, device "
+                f"{v.device}); pass a Python int"
+            )
+        return int(v)
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
 
 
 @dataclass(frozen=True)
@@ -73,7 +93,8 @@ class VocabShard:
 
     def __post_init__(self) -> None:
         for name in ("start", "stop"):
-            v = getattr(self, name)
+            v = _integer(f"VocabShard.{name}", getattr(self, name))  # e.g. numpy ints from a cumsum of shard sizes
+            object.__setattr__(self, name, v)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"VocabShard.{name} must be a non-negative int, got {v!r}")
         if self.stop < self.start:
@@ -90,6 +111,31 @@ class VocabShard:
             )
         if self.group is None and self.start != 0:
             raise ValueError("VocabShard with group=None is a single device: start must be 0")
+
+    # The group is a process-local handle (it cannot be pickled): copies share it by reference, as torch's DeviceMesh
+    # does, so `copy.deepcopy(model)` (a reference model in RL) works and its loss runs on the same group.
+    def __copy__(self) -> VocabShard:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> VocabShard:
+        new = self.__copy__()  # every other field is an immutable scalar or string
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self) -> dict:
+        if self.group is not None:
+            raise TypeError(
+                f"cce_dist.VocabShard(start={self.start}, stop={self.stop}) cannot be pickled: it holds a "
+                f"torch.distributed process group ({type(self.group).__name__}), a handle that is valid only in this "
+                "process. copy.deepcopy shares the group; to build the shard in another process, send start/stop and "
+                "create VocabShard there with that process's own group"
+            )
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     @classmethod
     def even(cls, vocab_size: int, group: dist.ProcessGroup | None, **kwargs) -> VocabShard:
@@ -167,9 +213,24 @@ def targets_checksum(targets: torch.Tensor) -> tuple[int, int]:
     return first, second
 
 
-# handshake vector fields
+# handshake vector fields: the layout, the target checksums, then one fingerprint per named option (OPTION_SLOTS)
 _OK, _N, _START, _STOP, _FP, _CK, _CK2, _TMAX, _D, _NLOC = range(10)
-_FIELDS = 10
+#: named options fingerprinted one by one, so a disagreement names the option that differs; a call with more folds
+#: the rest into the last slot (every entry point has fewer)
+OPTION_SLOTS = 32
+_OPT0 = 10
+_FIELDS = _OPT0 + OPTION_SLOTS
+
+NamedOptions = Sequence[tuple[str, object]]
+
+
+def _option_slots(options: NamedOptions) -> list[tuple[str, object]]:
+    """``options`` fitted into :data:`OPTION_SLOTS` (name, value) pairs, the overflow folded into the last."""
+    items = [(str(k), v) for k, v in options]
+    if len(items) > OPTION_SLOTS:
+        rest = items[OPTION_SLOTS - 1 :]
+        items = items[: OPTION_SLOTS - 1] + [(", ".join(k for k, _ in rest), tuple(v for _, v in rest))]
+    return items
 
 
 def handshake(
@@ -179,7 +240,7 @@ def handshake(
     n_tokens: int,
     n_local_tokens: int,
     hidden_dim: int,
-    options_fp: int,
+    options: NamedOptions,
     targets: torch.Tensor | None,
     ignore_index: int,
     device: torch.device,
@@ -188,13 +249,22 @@ def handshake(
 
     ``error`` is this rank's own input error (or None). It is re-raised here after the others
     were told, so no rank is left blocked in a collective.
+
+    ``options``: ``(name, value)`` pairs of everything that must agree besides the layout and the targets (the
+    loss's form first, then its options, named after the options dataclass's fields). Each is fingerprinted on its
+    own, so a disagreement names the option that differs; several differences are reported together, the most
+    basic first (the loss, the weight's vocab rows, the hidden size, the token count, the options, the targets),
+    since a later one often follows from an earlier (a head sharded over the wrong group also sees other targets).
     """
     world = shard.world_size
+    slots = _option_slots(options)
     info = torch.zeros(_FIELDS, dtype=torch.int64)
     info[_OK] = 0 if error is not None else 1
     if error is None:
         info[_N], info[_START], info[_STOP] = n_tokens, shard.start, shard.stop
-        info[_FP], info[_D], info[_NLOC] = options_fp, hidden_dim, n_local_tokens
+        info[_FP], info[_D], info[_NLOC] = fingerprint(*slots), hidden_dim, n_local_tokens
+        for i, (name, value) in enumerate(slots):
+            info[_OPT0 + i] = fingerprint(name, value)
         info[_TMAX] = -1
         if targets is not None and targets.numel():
             info[_CK], info[_CK2] = targets_checksum(targets)
@@ -216,26 +286,19 @@ def handshake(
             f"cce_dist: rank(s) {bad} of the tensor-parallel group rejected their inputs (see the error "
             "raised on those ranks); no statistics collective was started"
         )
-
-    def disagree(field: int, what: str) -> None:
-        vals = rows[:, field].tolist()
-        if len(set(vals)) > 1:
-            raise InputError(f"cce_dist: ranks of the tensor-parallel group disagree on {what}: {vals} (by rank)")
-
-    disagree(_N, "the number of tokens (hidden/targets)")
-    disagree(_D, "the hidden size (hidden.shape[-1] / weight.shape[1])")
-    disagree(
-        _FP,
-        "the loss options or inputs' kind (reduction, label_smoothing, z_loss, softcap, temperature, "
-        "ignore_index, shift, chunk_size, sequence_parallel, reduce_hidden_grad, stats_collective, "
-        "compute dtype, which of hidden/weight/bias require grad, the implementation torch/triton "
-        "that impl= resolved to)",
-    )
-    disagree(_CK, "the target ids (targets must be identical global ids on every rank)")
-    disagree(_CK2, "the target ids (targets must be identical global ids on every rank)")
-    if shard.sequence_parallel:
-        disagree(_NLOC, "the number of local tokens under sequence parallelism")
+    problems = _disagreements(rows, slots, shard)
     bounds = tuple((int(a), int(b)) for a, b in rows[:, [_START, _STOP]].tolist())
+    tiling = _tiling_problem(bounds)
+    if tiling is not None:
+        problems.insert(1 if problems and problems[0][0] == "the loss" else 0, ("the weight's vocab rows", tiling))
+    if problems:
+        first, detail = problems[0]
+        text = f"cce_dist: {detail}"
+        if len(problems) > 1:
+            text += f"; also differing across ranks (possibly as a consequence of {first}): " + "; ".join(
+                what for what, _ in problems[1:]
+            )
+        raise InputError(text)
     vocab_size = check_tiling(bounds)
     tmax = int(rows[:, _TMAX].max())
     if tmax >= vocab_size:
@@ -243,6 +306,77 @@ def handshake(
     return Layout(
         vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max(b - a for a, b in bounds), bounds=bounds
     )
+
+
+def _by_value(vals: list) -> str:
+    """``[0, 2] | [1]``: the ranks grouped by equal value."""
+    groups: dict = {}
+    for r, v in enumerate(vals):
+        groups.setdefault(v, []).append(r)
+    return " | ".join(str(g) for g in groups.values())
+
+
+def _disagreements(rows: torch.Tensor, slots: list[tuple[str, object]], shard: VocabShard) -> list[tuple[str, str]]:
+    """``(what, message)`` for every component the ranks disagree on, the most basic first."""
+    out: list[tuple[str, str]] = []
+    me = shard.rank
+    prefix = "ranks of the tensor-parallel group disagree on"
+
+    def plain(field: int, what: str) -> None:
+        vals = rows[:, field].tolist()
+        if len(set(vals)) > 1:
+            out.append((what.split(" (")[0], f"{prefix} {what}: {vals} (by rank)"))
+
+    def option(i: int) -> None:
+        vals = rows[:, _OPT0 + i].tolist()
+        if len(set(vals)) > 1:
+            name, value = slots[i]
+            out.append(
+                (
+                    name,
+                    f"{prefix} the loss options: {name} (rank {me} has {value!r}; ranks with equal values: "
+                    f"{_by_value(vals)})",
+                )
+            )
+
+    if slots and slots[0][0] == "the loss":  # a different entry point on some rank: the rest does not line up
+        option(0)
+        if out:
+            return out
+    plain(_D, "the hidden size (hidden.shape[-1] = weight.shape[1], the weight's shape per rank)")
+    plain(_N, "the number of tokens (hidden/targets)")
+    if shard.sequence_parallel:
+        plain(_NLOC, "the number of local tokens under sequence parallelism")
+    for i in range(len(slots)):
+        if slots[i][0] != "the loss":
+            option(i)
+    if len(set(rows[:, _FP].tolist())) > 1 and not any(
+        len(set(rows[:, _OPT0 + i].tolist())) > 1 for i in range(len(slots))
+    ):  # ranks that name different options (cannot happen within one entry point): the combined fingerprint
+        out.append(("the loss options", f"{prefix} the loss options: {_by_value(rows[:, _FP].tolist())}"))
+    if len(set(rows[:, _CK].tolist())) > 1 or len(set(rows[:, _CK2].tolist())) > 1:
+        out.append(
+            (
+                "the target ids",
+                f"{prefix} the target ids (targets must be identical global ids on every rank; ranks with equal "
+                f"targets: {_by_value(list(zip(rows[:, _CK].tolist(), rows[:, _CK2].tolist())))})",
+            )
+        )
+    return out
+
+
+def _tiling_problem(bounds: Sequence[tuple[int, int]]) -> str | None:
+    """Why the ranks' vocab rows (each rank's weight.shape[0] = stop - start rows) do not tile ``[0, V)``, or None."""
+    try:
+        check_tiling(bounds)
+    except InputError as e:
+        sizes = [b - a for a, b in bounds]
+        return (
+            f"the vocab rows the ranks' weights hold (weight.shape[0] by rank: {sizes}) do not fit the shard layout: "
+            f"{str(e).removeprefix('cce_dist: ')}. Each rank's weight must be its VocabShard's [start, stop) rows of "
+            "the head (a weight sharded by another group, e.g. FSDP's, must be gathered first)"
+        )
+    return None
 
 
 def check_tiling(bounds: Sequence[tuple[int, int]]) -> int:
@@ -313,6 +447,14 @@ class Comm:
         out = hidden.new_empty((self.world * hidden.shape[0],) + tuple(hidden.shape[1:]))
         dist.all_gather(list(out.chunk(self.world, 0)), hidden.contiguous(), group=self.group)
         return out
+
+    def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part of a per-row tensor over all (gathered) tokens that matches the rows of
+        :meth:`reduce_hidden_grad`'s result: this rank's slice under sequence parallelism, else all."""
+        shard = self._group_shard()
+        if shard is None or not shard.sequence_parallel:
+            return rows
+        return rows.chunk(self.world, 0)[shard.rank]
 
     def reduce_hidden_grad(self, dh: torch.Tensor) -> torch.Tensor:
         """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel) or none."""
