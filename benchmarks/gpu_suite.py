@@ -128,7 +128,7 @@ def commit() -> str:
 def tree_hash() -> str:
     """sha256 (12 hex) of the library and benchmark sources: identifies the code without .git."""
     h = hashlib.sha256()
-    for sub in ("cce_dist", "kernels", "benchmarks"):
+    for sub in ("cce_dist", "benchmarks"):
         for p in sorted((REPO / sub).rglob("*.py")):
             h.update(str(p.relative_to(REPO)).encode())
             h.update(p.read_bytes())

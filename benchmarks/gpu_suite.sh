@@ -14,7 +14,6 @@
 # Usage: [CCE_COMMIT=<hash>] [CCE_SUITE_BUDGET_S=480] bash benchmarks/gpu_suite.sh [OUT_DIR] [gpu_suite.py args]
 #   OUT_DIR defaults to $OUT if set, else benchmarks/results/gpu. CCE_COMMIT records the commit where
 #   the machine has no .git. --dry-run (or CCE_SUITE_DRY_RUN=1) runs the CPU plumbing check (tests/test_gpu_suite.py).
-#   CCE_SUITE_NO_INSTALL=1 never installs this checkout (it must import already).
 # Peers: pure-Python wheels carried in .whl/ (pip download --no-deps --only-binary=:all: -d .whl
 #   cut-cross-entropy liger-kernel) are installed into /tmp/site (offline, no index).
 set -uo pipefail
@@ -42,26 +41,9 @@ main() {
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 || true
   fi
-  # cce_dist from this checkout (cce_dist.kernels is mapped from kernels/ by the package metadata, so a plain
-  # PYTHONPATH does not find it): reuse an install that points here, else an editable install.
-  if [ -z "${CCE_SUITE_NO_INSTALL:-}" ] && ! "$PY" - <<'PYEOF'
-import os, sys
-import cce_dist, cce_dist.kernels
-here = os.path.realpath(".")
-sys.exit(0 if os.path.realpath(cce_dist.kernels.__file__).startswith(here + os.sep) else 1)
-PYEOF
-  then
-    echo "gpu_suite.sh: installing this checkout (pip install -e . --no-deps --no-build-isolation --no-index)"
-    if ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
-      # Last resort on a throwaway copy (never in a dry run): make cce_dist.kernels a plain subpackage.
-      if [ "$dry" = 0 ] && [ ! -e cce_dist/kernels ]; then
-        echo "gpu_suite.sh: editable install failed; linking cce_dist/kernels -> ../kernels in this copy"
-        ln -s ../kernels cce_dist/kernels
-      else
-        echo "gpu_suite.sh: editable install failed"
-      fi
-    fi
-  fi
+  # cce_dist from this checkout: the repository root first on PYTHONPATH (a plain package, kernels
+  # included); an installed copy elsewhere never takes its place.
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c "import cce_dist.kernels as k, triton, torch; print('cce_dist.kernels from', k.__file__, '| torch', torch.__version__, '| triton', triton.__version__)" \
     || echo "gpu_suite.sh: cce_dist.kernels does not import: every stage will record the error"
   "$PY" benchmarks/gpu_suite.py --out "$out" --started "$started" "$@"

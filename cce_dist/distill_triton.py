@@ -34,7 +34,7 @@ class Heads(DT.Heads):
 
 
 def _kd():
-    """:mod:`cce_dist.kernels.distill` (mapped from kernels/ at install time), imported on first use:
+    """:mod:`cce_dist.kernels.distill`, imported on first use:
     importing cce_dist does not import triton."""
     return importlib.import_module(".kernels.distill", __package__)
 

@@ -231,7 +231,7 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
         resolve_backend(impl, device)  # same errors as for a non-empty projection
         return torch_impl
     try:
-        from . import kernels  # type: ignore[attr-defined]  # mapped from kernels/ at install time
+        from . import kernels
     except ImportError as e:  # triton missing
         if impl == "auto":
             return torch_impl

@@ -1,4 +1,4 @@
-"""linear_distillation(impl="triton") (kernels/distill.py) against the float64 materialized oracle
+"""linear_distillation(impl="triton") (cce_dist/kernels/distill.py) against the float64 materialized oracle
 (tests/test_distill_oracle.py) and against impl="torch".
 
 Without a GPU the kernels run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET

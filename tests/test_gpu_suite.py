@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_SUITE_") and k != "OUT"}
-    env.update(PYTHON=sys.executable, CCE_SUITE_NO_INSTALL="1", TRITON_INTERPRET="1", **extra)
+    env.update(PYTHON=sys.executable, TRITON_INTERPRET="1", **extra)
     return env
 
 

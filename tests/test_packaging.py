@@ -1,8 +1,9 @@
-"""Packaging: the wheel and an editable install both ship ``cce_dist.kernels`` from ``kernels/``.
+"""Packaging: the wheel and an editable install both ship ``cce_dist.kernels`` (``cce_dist/kernels/``).
 
-``cce_dist.kernels`` is mapped from the top-level ``kernels/`` directory (a package-dir mapping in
-pyproject.toml), so a mistake in the mapping shows up only in an installed copy, never in the
-source tree. Each test copies the files a build reads into ``tmp_path`` (the checkout gets no
+A mistake in the package list shows up only in an installed copy, never in the source tree. The
+checkout itself holds no top-level ``kernels`` package: run from the repository root (``python -m``
+and pytest put it on ``sys.path``), one would shadow Hugging Face's ``kernels`` package, which
+transformers imports. Each test copies the files a build reads into ``tmp_path`` (the checkout gets no
 ``build/`` or egg-info, and no stale ``build/lib`` can leak into the wheel), installs the copy into
 a fresh virtual environment and imports the package there, outside the checkout.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_INPUTS = ["pyproject.toml", "README.md", "cce_dist", "kernels"]
+BUILD_INPUTS = ["pyproject.toml", "README.md", "cce_dist"]
 PIP_TIMEOUT = 300
 
 # What the installed copy reports; runs in the fresh environment with -I (no cwd, no PYTHONPATH).
@@ -104,23 +105,35 @@ def test_wheel_ships_kernels_as_cce_dist_kernels(source: Path, tmp_path: Path):
     (wheel,) = (tmp_path / "dist").glob("cce_dist-*.whl")
 
     names = set(zipfile.ZipFile(wheel).namelist())
-    want = {f"cce_dist/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")}
+    want = {f"cce_dist/kernels/{p.name}" for p in (ROOT / "cce_dist" / "kernels").glob("*.py")}
     want |= {f"cce_dist/{p.name}" for p in (ROOT / "cce_dist").glob("*.py")} | {"cce_dist/py.typed"}
     assert want <= names, sorted(want - names)
+    # a top-level `kernels` would shadow Hugging Face's `kernels` package (transformers imports it)
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must not ship as a top-level package"
 
     got = _install_and_probe(_fresh_venv(tmp_path / "venv"), str(wheel), cwd=source)
     site_dir = (tmp_path / "venv").resolve()
     assert Path(got["kernels"]).resolve().is_relative_to(site_dir), got  # imported from the wheel
     assert Path(got["kernels"]).parent.parent == Path(got["cce_dist"]).parent, got
-    assert got["kernels_api"] == ["TRITON_RANGE", "available", "grads", "row_stats", "unsupported"]
+    assert {"TRITON_RANGE", "available", "grads", "row_stats", "unsupported", "NAME"} <= set(got["kernels_api"]), got
     assert got["version"] == got["dist_version"], got  # one version source
     assert got["py_typed"] is True
 
 
+def test_checkout_does_not_shadow_a_top_level_kernels_package():
+    """transformers (5.x) imports Hugging Face's ``kernels`` package when it finds one: from the repository root
+    (on ``sys.path`` under pytest and ``python -m``) a top-level ``kernels/`` folder was found instead, and every
+    transformers model failed to import (``cannot import name 'CUDAProperties' from 'kernels'``)."""
+    import importlib.util
+
+    assert not (ROOT / "kernels").exists()
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or not Path(spec.origin or "").resolve().is_relative_to(ROOT), spec
+
+
 def test_editable_install_maps_kernels_directory(source: Path, tmp_path: Path):
     got = _install_and_probe(_fresh_venv(tmp_path / "venv"), "-e", ".", cwd=source)
-    # Edits to kernels/ in the checkout are what `import cce_dist.kernels` runs.
-    assert Path(got["kernels"]).resolve() == (source / "kernels" / "__init__.py").resolve(), got
+    # Edits to cce_dist/kernels/ in the checkout are what `import cce_dist.kernels` runs.
+    assert Path(got["kernels"]).resolve() == (source / "cce_dist" / "kernels" / "__init__.py").resolve(), got
     assert Path(got["cce_dist"]).resolve() == (source / "cce_dist" / "__init__.py").resolve(), got
     assert got["version"] == got["dist_version"], got

@@ -18,7 +18,20 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["TRITON_RANGE", "available", "grads", "row_stats", "unsupported"]
+# The Backend protocol's capabilities are exported too: a module satisfies the protocol through its public names.
+__all__ = [
+    "DETERMINISTIC_OPTION",
+    "FUSED_CHUNKING",
+    "GRADS_OPTIONS",
+    "NAME",
+    "ROW_STATS_OPTIONS",
+    "SUPPORTS_FILTERING",
+    "TRITON_RANGE",
+    "available",
+    "grads",
+    "row_stats",
+    "unsupported",
+]
 
 #: The Triton releases ``(major, minor)`` the kernels are compiled and tested with, inclusive: 3.6
 #: (pinned by torch 2.10 / 2.11) to 3.9. Outside it ``impl="auto"`` takes the torch path.
