@@ -1,0 +1,145 @@
+"""Regression tests for the ``linear_distillation`` defects of issue 21.
+
+Each test compares against the plain materialized program (``F.linear`` logits, the divergence
+formed with torch ops; :func:`test_distill_oracle.oracle_distill` in float64 unless said) on both
+implementations (``impl="triton"`` runs in Triton's interpreter without a GPU; shapes stay tiny).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_distill_oracle import oracle_distill
+
+from cce_dist import linear_distillation
+
+IMPLS = ["torch", "triton"]
+DIVS = ["kl", "reverse_kl", "jsd"]
+N, DS, DT, V = 10, 8, 12, 11  # V = 11: a ragged vocab tile in the kernels
+
+
+def make(seed=0, n=N, v=V, s_dtype=torch.float32, t_dtype=torch.float32, scale=1.0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, dtype, s=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype)
+
+    sh = r(n, DS, dtype=s_dtype, s=scale).requires_grad_()
+    sw = r(v, DS, dtype=s_dtype, s=0.5).requires_grad_()
+    sb = r(v, dtype=s_dtype).requires_grad_() if bias else None
+    th, tw = r(n, DT, dtype=t_dtype, s=scale), r(v, DT, dtype=t_dtype, s=0.5)
+    tb = r(v, dtype=t_dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    return sh, sw, sb, th, tw, tb, t
+
+
+def _ins(sh, sw, sb):
+    return [x for x in (sh, sw, sb) if x is not None]
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. every row ignored + an infinite upstream gradient: zero gradients, not NaN
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("div", DIVS)
+@pytest.mark.parametrize("path", ["fused", "rows"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_ignored_with_infinite_upstream_gives_zero_gradients(impl, div, path, reduction):
+    """``loss / num_items_in_batch`` with ``num_items_in_batch = 0``: upstream inf. The plain program's
+    ignored rows get exactly zero gradient whatever the upstream value (``torch.where`` selects them out)."""
+    sh, sw, sb, th, tw, tb, t = make()
+    t[:] = -100
+    kw = dict(divergence=div, reduction=reduction, hard_label_weight=0.3, impl=impl)
+    kw["grad_in_forward"] = path == "fused"
+    loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, **kw)
+    ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence=div, reduction=reduction,
+                         hard_label_weight=0.3)  # fmt: skip
+    up = torch.tensor(math.inf)
+    got = torch.autograd.grad(loss, _ins(sh, sw, sb), grad_outputs=up)
+    want = torch.autograd.grad(ref, _ins(sh, sw, sb), grad_outputs=up.double())
+    for a, b in zip(got, want):
+        assert torch.equal(b, torch.zeros_like(b))  # the plain program
+        assert torch.equal(a, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("upstream", [math.inf, math.nan])
+def test_ignored_rows_stay_zero_under_a_non_finite_upstream(impl, upstream):
+    """Some rows counted: the ignored rows' hidden gradient is still exactly 0 (the plain program's)."""
+    sh, sw, sb, th, tw, tb, t = make()
+    t[[1, 4, 7]] = -100
+    loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl)
+    (dh,) = torch.autograd.grad(loss, [sh], grad_outputs=torch.tensor(upstream))
+    assert torch.equal(dh[[1, 4, 7]], torch.zeros(3, DS))
+    assert not torch.isfinite(dh[0]).all()  # the counted rows do take the non-finite factor
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. create_graph=True: refused clearly on every path (never a gradient without its graph)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(grad_in_forward=False), dict(reduction="none"), dict(reduction="sum")],
+    ids=["default", "no_fused", "none", "sum"],
+)
+def test_create_graph_is_refused(impl, kw):
+    sh, sw, sb, th, tw, tb, t = make()
+    loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, **kw)
+    if loss.dim():
+        loss = loss.sum()
+    with pytest.raises(RuntimeError, match="second-order gradients"):
+        torch.autograd.grad(loss, [sh, sw], create_graph=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. fp16 student under loss scaling
+# ------------------------------------------------------------------------------------------------
+
+
+def _plain_fp16(sh, sw, sb, th, tw, tb, t, scale):
+    """The plain fp16 program: fp16 logits (F.linear), the divergence in float32, GradScaler's scaled backward."""
+    zs = F.linear(sh, sw, sb).float()
+    zt = F.linear(th, tw, tb).float()
+    ls, lt = zs.log_softmax(-1), zt.log_softmax(-1)
+    loss = (lt.exp() * (lt - ls)).sum(-1).mean()
+    return torch.autograd.grad(loss * scale, [sh, sw, sb])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("log2_scale", [10, 16])
+def test_fp16_student_under_loss_scaling(impl, log2_scale):
+    """GradScaler's ``(loss * 2**k).backward()`` of the mean over 2048 rows: the gradients held from forward must
+    not be formed at the mean's 1/N scale in fp16 (subnormal: flushed entries) nor multiplied in fp16 (inf at
+    2**16). Against float64: no less accurate than the plain fp16 program (fp16 logits, float32 divergence,
+    fp16 gradients), and within one fp16 rounding of the recomputing backward's (``grad_in_forward=False``:
+    its per-row upstream gradient 2**k / N is a power of two, so only the logit gradients' rounding to fp16
+    before the products differs, where they are subnormal at one of the two scales)."""
+    n = 2048
+    sh, sw, sb, th, tw, tb, t = make(seed=2, n=n, s_dtype=torch.float16, scale=0.5)
+    scale = 2.0**log2_scale
+    got, rows = (
+        torch.autograd.grad(
+            linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, grad_in_forward=f)
+            * scale,
+            [sh, sw, sb],
+        )
+        for f in (True, False)
+    )
+    exact = [x.detach().double().requires_grad_() for x in (sh, sw, sb)]  # the fp16 values, float64 program
+    ref = oracle_distill(*exact[:2], th, tw, t, student_bias=exact[2], teacher_bias=tb)
+    want = torch.autograd.grad(ref * scale, exact)
+    plain = _plain_fp16(sh, sw, sb, th, tw, tb, t, scale)
+    for name, a, r, b, p in zip(("dh", "dw", "db"), got, rows, want, plain):
+        assert a.dtype == torch.float16
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, r, rtol=2**-9, atol=2**-24, msg=name)  # one fp16 rounding apart at most
+        err, plain_err = ((x.double() - b).norm().item() for x in (a, p))
+        assert err <= 1.5 * plain_err, (name, err, plain_err)
