@@ -80,6 +80,33 @@ def test_ignored_rows_stay_zero_under_a_non_finite_upstream(impl, upstream):
 
 
 # ------------------------------------------------------------------------------------------------
+# 2. hard-label gradient at a small temperature (torch path: p1 formed from exp(z/T - m) ** T)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("temperature", [0.05, 0.1])
+@pytest.mark.parametrize("div", ["kl", "reverse_kl"])
+def test_hard_label_gradient_at_small_temperature(impl, temperature, div):
+    """w=1: the loss is the cross-entropy at T=1 whatever T; its gradient ``p1 - onehot`` must not
+    depend on T. exp(z/T - m) underflows in float32 at z - max < -87 T (-4.4 at T=0.05), where p1 is
+    still ~1e-2 of the max's: the T=1 probabilities are formed from the T=1 logits. Large V: that mass
+    is most of the row's. float32 against float64: logits of |z| ~ 10 rounded at 2**-24 relative (1e-6
+    relative in each p1) and 32000-term float32 sums: 1e-4 per entry, 1e-5 of the largest entry absolute
+    (the old torch path was off by 6% at T=0.05)."""
+    v = 2000 if impl == "triton" else 32000  # the interpreter: smaller, still most of the mass underflows
+    sh, sw, sb, th, tw, tb, t = make(seed=1, n=4, v=v, scale=2.0)
+    kw = dict(divergence=div, temperature=temperature, hard_label_weight=1.0, reduction="sum")
+    loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, **kw)
+    ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, **kw)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
+    got = torch.autograd.grad(loss, _ins(sh, sw, sb))
+    want = torch.autograd.grad(ref, _ins(sh, sw, sb))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------------
 # 3. create_graph=True: refused clearly on every path (never a gradient without its graph)
 # ------------------------------------------------------------------------------------------------
 
