@@ -19,6 +19,13 @@ gradients w.r.t. the student's soft logits ``z_s`` are
 - ``jsd``         ``lm = log(beta p_t + (1-beta) p_s)``, ``K = sum p_s (ls - lm)``,
                   ``D = beta sum p_t (lt - lm) + (1-beta) K``;     ``dD/dz_s = (1-beta) p_s (ls - lm - K)``
 
+A zero probability contributes 0 to every sum (``0 log 0 = 0``: selected, never ``0 * -inf``), so a
+masked token (a ``-inf`` logit, e.g. from a ``-inf`` bias entry) adds nothing where the divergence is
+finite: a teacher-masked token for ``kl`` and ``jsd``, a student-masked one for ``reverse_kl`` and ``jsd``
+(its gradient is 0). Where the materialized program's divergence is infinite -- teacher mass on a
+student-masked token for ``kl``, student mass on a teacher-masked one for ``reverse_kl`` -- the loss is
+``+inf`` as there (its gradient is not finite).
+
 (the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
 ``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + (l_t - l_s) c_t s_t``, which lets it run in three
 blocks), and the hard term ``CE = (M1 - z1_target) + log S1`` (student logits at T=1) adds
@@ -187,7 +194,9 @@ def chunk(
         m_s = zs.amax(0)
         zs.sub_(m_s)
         m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
-        a = zt.sub_(zs).mul_(pt).sum(0)  # sum e_t (zt - zs), this shard's, relative to its maxima
+        # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
+        # 0 * -inf (selected, not multiplied)
+        a = zt.sub_(zs).masked_fill_(pt == 0, 0.0).mul_(pt).sum(0)
         ps = zs.exp_()  # e_s, in place
         local[0, :, S.SUMEXP] = ps.sum(0)
     else:
@@ -227,7 +236,7 @@ def chunk(
         zt.add_(l_t)
         pt.mul_(c_t)
         if o.divergence == "reverse_kl":
-            zs.sub_(zt)  # log p_s - log p_t
+            zs.sub_(zt).masked_fill_(ps == 0, 0.0)  # log p_s - log p_t; 0 where p_s = 0 (0 log 0 = 0)
             local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
             rows = reduce_rows(local_rows)
             # p_s (d - R) as p_s d - p_s R with the very p_s d that R sums: where the heads disagree confidently,
@@ -236,8 +245,8 @@ def chunk(
         else:
             lb, l1b = math.log(o.beta), math.log1p(-o.beta)
             lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
-            zs.sub_(lm).sub_(l1b)  # log p_s - log M
-            zt.sub_(lm).sub_(lb)  # log p_t - log M
+            zs.sub_(lm).sub_(l1b).masked_fill_(ps == 0, 0.0)  # log p_s - log M; 0 where p_s = 0 (0 log 0 = 0)
+            zt.sub_(lm).sub_(lb).masked_fill_(pt == 0, 0.0)  # log p_t - log M; likewise
             local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
             local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
             del lm

@@ -170,3 +170,56 @@ def test_fp16_student_under_loss_scaling(impl, log2_scale):
         torch.testing.assert_close(a, r, rtol=2**-9, atol=2**-24, msg=name)  # one fp16 rounding apart at most
         err, plain_err = ((x.double() - b).norm().item() for x in (a, p))
         assert err <= 1.5 * plain_err, (name, err, plain_err)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. a -inf bias entry (a masked token)
+# ------------------------------------------------------------------------------------------------
+
+
+def _masked(head, div, impl, reduction="none", hard=0.0):
+    sh, sw, sb, th, tw, tb, t = make(seed=3)
+    masked_b = (sb if head == "student" else tb).detach().clone()
+    masked_b[[2, 7]] = -math.inf
+    t[t == 2] = 0
+    t[t == 7] = 0  # no target on a masked token (its cross-entropy would be inf, as in the plain program)
+    if head == "student":
+        sb = masked_b.requires_grad_()
+    else:
+        tb = masked_b
+    kw = dict(divergence=div, reduction=reduction, hard_label_weight=hard)
+    loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, **kw)
+    # the plain program's limit: -1e4 for -inf (float64: exp(-1e4 - max) is 0, so p log p is 0 * finite)
+    lim_s = None if sb is None else torch.where(torch.isinf(sb), -1e4, sb.double()).detach().requires_grad_()
+    lim_t = torch.where(torch.isinf(tb), -1e4, tb.double())
+    ref = oracle_distill(sh, sw, th, tw, t, student_bias=lim_s, teacher_bias=lim_t, **kw)
+    return (sh, sw, sb, lim_s), loss, ref
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "head,div", [("teacher", "kl"), ("teacher", "jsd"), ("student", "reverse_kl"), ("student", "jsd")]
+)
+@pytest.mark.parametrize("hard", [0.0, 0.25])
+def test_masked_token_gives_the_finite_divergence(impl, head, div, hard):
+    """``p log p`` with ``p = 0`` is 0: the divergence of the masked token's column is 0 where it is finite."""
+    (sh, sw, sb, lim_s), loss, ref = _masked(head, div, impl, hard=hard)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=2e-6)
+    up = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    got = torch.autograd.grad(loss, [sh, sw, sb], grad_outputs=up)
+    want = torch.autograd.grad(ref, [sh, sw, lim_s], grad_outputs=up.double())
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), rtol=2e-5, atol=2e-6)
+    if head == "student":  # the masked logits' gradient is exactly 0
+        assert torch.equal(got[2][[2, 7]], torch.zeros(2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head,div", [("student", "kl"), ("teacher", "reverse_kl")])
+def test_masked_token_with_mass_on_the_other_side_is_inf(impl, head, div):
+    """Teacher mass on a student-masked token (forward KL), student mass on a teacher-masked one (reverse KL):
+    the plain program's divergence is +inf, and so is ours (not NaN)."""
+    _, loss, _ = _masked(head, div, impl)
+    assert torch.equal(loss, torch.full_like(loss, math.inf))
