@@ -16,7 +16,7 @@ import torch
 
 from . import distill_torch as DT
 from . import distill_triton as DTR
-from .autograd import finish_grads
+from .autograd import finish_grads, refuse_second_order
 from .options import DistillationOptions
 from .parallel import Comm
 
@@ -57,6 +57,12 @@ def _heads(plan: DistillPlan, opts, hs, ws, bs, ht, wt, bt, targets, valid) -> D
     )
 
 
+def _held_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :class:`FusedDistill` holds a gradient in from forward to backward: bfloat16 for bfloat16
+    tensors, else float32 (float16: its exponent range; float32: its own; float64: as accumulated)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
     comm = plan.comm
     hs = comm.gather_tokens(student_hidden.to(plan.student_dtype))
@@ -94,6 +100,7 @@ class DistillRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_second_order()  # create_graph=True: the recomputing chunk loop is not differentiable
         plan = ctx.plan
         hs, weight, bias, ht, t_weight, t_bias, targets, valid, stats, rows = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -107,8 +114,20 @@ class DistillRows(torch.autograd.Function):
 class FusedDistill(torch.autograd.Function):
     """Scalar loss (``reduction`` sum or mean) with the student's gradients formed in forward.
 
-    Forward holds the gradients (in their final dtypes) until backward multiplies them by the
-    upstream scalar in place, so the graph supports a single backward (a second raises).
+    Forward forms the gradients of the *sum* of the counted rows' losses (an upstream gradient of 1 per
+    counted row, whatever the reduction: a logit gradient rounded to a float16 compute dtype at the mean's
+    ``1 / n_valid`` would sink into its subnormals) and holds them (``ctx.grads``) until backward, which
+    multiplies them in float32 by the upstream scalar times the reduction's scale (``1 / n_valid`` on the
+    device for ``mean``) and rounds once to each tensor's dtype, as :class:`cce_dist.autograd.FusedCrossEntropy`:
+
+    - float16 / float32 tensors: held as float32 (fp16's range would overflow under a loss scale of 2**16
+      or flush the small entries; the scale is never applied to an fp16 number);
+    - bfloat16 tensors: held in bfloat16 (float32's exponent range; half the bytes), scaled in float32.
+
+    An entry that is exactly 0 at unit upstream gradient (an ignored row's hidden gradient; everything when no
+    row counts) stays exactly 0 whatever the upstream value (selected, not multiplied: ``0 * inf`` is NaN),
+    as the materialized program's ``torch.where`` over the ignored rows gives. The graph supports a single
+    backward (a second raises), and no ``create_graph=True`` (raises).
     """
 
     @staticmethod
@@ -136,16 +155,19 @@ class FusedDistill(torch.autograd.Function):
                 # count is not read back to the host, which would stall it on every call
                 scale = (1.0 / valid.sum().clamp(min=1).double()).float()
             loss_rows, _, _, dh, dw, db = plan.module.forward(
-                heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=scale, need=need
+                heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=1.0, need=need
             )
             if dh is not None:
-                dh = comm.reduce_hidden_grad(dh).to(hidden.dtype)
+                dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale
-        ctx.grads = [dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)]
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.grads = [None if t is None else t.to(_held_dtype(dt)) for t, dt in zip((dh, dw, db), ctx.grad_dtypes)]
+        ctx.scale = scale
         return loss
 
     @staticmethod
     def backward(ctx, g):
+        refuse_second_order()
         grads = ctx.grads
         if grads is None:
             raise RuntimeError(
@@ -153,7 +175,14 @@ class FusedDistill(torch.autograd.Function):
                 "used by one backward only; pass grad_in_forward=False to backward through it more than once"
             )
         ctx.grads = None
-        for t in grads:  # also for g == 1 (exact): asking whether it is 1 would read it back to the host
-            if t is not None:
-                t.mul_(g.to(t.dtype))
-        return tuple(grads) + (None,) * 7
+        # float32 (a loss scale of 2**16 is inf as an fp16 number); also for g == 1: asking would read it back
+        factor = g.to(torch.float32) * ctx.scale
+        out = []
+        for t, dtype in zip(grads, ctx.grad_dtypes):
+            if t is None:
+                out.append(None)
+                continue
+            zero = t == 0  # before scaling: 0 * inf (loss / 0 with no counted row) must stay 0, not NaN
+            t = t.mul_(factor) if t.dtype == torch.float32 else t.float().mul_(factor)
+            out.append(t.masked_fill_(zero, 0.0).to(dtype))
+        return tuple(out) + (None,) * 7

@@ -19,6 +19,13 @@ gradients w.r.t. the student's soft logits ``z_s`` are
 - ``jsd``         ``lm = log(beta p_t + (1-beta) p_s)``, ``K = sum p_s (ls - lm)``,
                   ``D = beta sum p_t (lt - lm) + (1-beta) K``;     ``dD/dz_s = (1-beta) p_s (ls - lm - K)``
 
+A zero probability contributes 0 to every sum (``0 log 0 = 0``: selected, never ``0 * -inf``), so a
+masked token (a ``-inf`` logit, e.g. from a ``-inf`` bias entry) adds nothing where the divergence is
+finite: a teacher-masked token for ``kl`` and ``jsd``, a student-masked one for ``reverse_kl`` and ``jsd``
+(its gradient is 0). Where the materialized program's divergence is infinite -- teacher mass on a
+student-masked token for ``kl``, student mass on a teacher-masked one for ``reverse_kl`` -- the loss is
+``+inf`` as there (its gradient is not finite).
+
 (the forward KL's sum is taken before the reduce, from this shard's ``exp(z - m)``:
 ``sum p_t (lt - ls) = c_t sum e_t (zt - zs) + (l_t - l_s) c_t s_t``, which lets it run in three
 blocks), and the hard term ``CE = (M1 - z1_target) + log S1`` (student logits at T=1) adds
@@ -31,7 +38,9 @@ at ulp(|lse|), an absolute error in every ``log p`` and a relative one in every 
 ``log p = (z - m) + l`` and ``p = exp(z - m) * c`` with ``l = (m - M) - log S`` and
 ``c = exp(m - M) / S`` (:func:`_normalizers`; ``1 / S`` on the shard that holds the max). With a
 hard-label term the student's soft logits are held relative to ``m1 / T`` (``m1`` its max at T=1),
-so that ``p1 = exp(z1 - m1) * c1`` is ``e_s**T * c1`` for any T. The raw logits' gradient
+and ``p1 = exp(z1 - m1) * c1`` is ``p_s`` at T=1; at any other T the gradient keeps ``exp(z1 - m1)`` of
+the T=1 pass in one more block (``e_s**T`` would underflow in float32 where ``z1 - m1 < -87 T``,
+e.g. -4.4 at T=0.05, while ``p1`` is still sizable there). The raw logits' gradient
 is then chained through ``1/T`` and the softcap. Backward (per-row upstream gradients) recomputes
 a chunk from the saved global statistics and rows: no collective but the caller's dH reduction.
 
@@ -98,7 +107,8 @@ class Heads:
 
 class _Buffers:
     """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl.LogitsBlock`),
-    made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four."""
+    made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four; a gradient with a
+    hard-label term at T != 1 one more (``p1``)."""
 
     def __init__(self, v_local: int, step: int, device: torch.device):
         self._args = (v_local, step, device)
@@ -169,11 +179,14 @@ def chunk(
     zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
     pt = buf.pt.view(n)
     t_rows = t_cols = None
-    m1 = None
+    m1 = e1 = None
     if hard:  # the student's logits at T=1: their statistics and the target logit
         t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
         local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
-        m1 = _head_stats(zs, pt, local[2])  # zs = z1 - m1: the soft logits below are taken relative to m1 / T
+        # exp(z1 - m1): kept for p1 where T != 1 and a gradient is asked for (formed from the soft logits as
+        # exp(z1/T - m)**T it would underflow in float32 wherever z1 - m1 < -87 T while p1 is still sizable)
+        e1 = buf.p1.view(n) if (g is not None and temp != 1.0) else pt
+        m1 = _head_stats(zs, e1, local[2])  # zs = z1 - m1: the soft logits below are taken relative to m1 / T
     if temp != 1.0:
         zs.div_(temp)
     a = None
@@ -181,14 +194,15 @@ def chunk(
         m_s = zs.amax(0)
         zs.sub_(m_s)
         m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
-        a = zt.sub_(zs).mul_(pt).sum(0)  # sum e_t (zt - zs), this shard's, relative to its maxima
+        # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
+        # 0 * -inf (selected, not multiplied)
+        a = zt.sub_(zs).masked_fill_(pt == 0, 0.0).mul_(pt).sum(0)
         ps = zs.exp_()  # e_s, in place
         local[0, :, S.SUMEXP] = ps.sum(0)
     else:
         ps = buf.ps.view(n)
         m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
         m_t = _head_stats(zt, pt, local[1])
-    m_s_rel = m_s  # the max of the held soft logits (relative to m1 / T with a hard-label term: 0)
     if m1 is not None:
         m_s = m_s + m1 / temp
     local[0, :, S.MAX] = m_s
@@ -200,9 +214,9 @@ def chunk(
         gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp)
         if hard:
             wg = g * o.hard_label_weight
-            if temp != 1.0:  # p1 = exp(z1 - m1) * c1 with exp(z1 - m1) = e_s**T * exp(T m_s_rel); T=1: p_s
-                assert m1 is not None
-                p1 = torch.pow(ps, temp).mul_(torch.exp(temp * m_s_rel) * _normalizers(m1, glob[2])[0])
+            if temp != 1.0:  # p1 = exp(z1 - m1) * c1 from the T=1 logits (log p1 = (z1 - M1) - log S1); T=1: p_s
+                assert m1 is not None and e1 is not None
+                p1 = e1.mul_(_normalizers(m1, glob[2])[0])
     local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
     if o.divergence == "kl":
         # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
@@ -222,7 +236,7 @@ def chunk(
         zt.add_(l_t)
         pt.mul_(c_t)
         if o.divergence == "reverse_kl":
-            zs.sub_(zt)  # log p_s - log p_t
+            zs.sub_(zt).masked_fill_(ps == 0, 0.0)  # log p_s - log p_t; 0 where p_s = 0 (0 log 0 = 0)
             local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
             rows = reduce_rows(local_rows)
             # p_s (d - R) as p_s d - p_s R with the very p_s d that R sums: where the heads disagree confidently,
@@ -231,8 +245,8 @@ def chunk(
         else:
             lb, l1b = math.log(o.beta), math.log1p(-o.beta)
             lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
-            zs.sub_(lm).sub_(l1b)  # log p_s - log M
-            zt.sub_(lm).sub_(lb)  # log p_t - log M
+            zs.sub_(lm).sub_(l1b).masked_fill_(ps == 0, 0.0)  # log p_s - log M; 0 where p_s = 0 (0 log 0 = 0)
+            zt.sub_(lm).sub_(lb).masked_fill_(pt == 0, 0.0)  # log p_t - log M; likewise
             local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
             local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
             del lm

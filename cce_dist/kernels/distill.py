@@ -153,14 +153,21 @@ def _tiles(
 
 
 @triton.jit
+def _center(m):
+    """``m``, or 0 where ``m = -inf`` (no finite logit yet): what the exponents are taken relative to, so that
+    no lane forms ``-inf - -inf`` (NaN, discarded or not; a numpy warning in the interpreter)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
 def _online(m, s, z, col_ok):
     """Fold a tile ``z`` (columns outside ``col_ok`` ignored) into the running row max ``m`` and
-    ``s = sum exp(z - m)`` (``m = -inf``, ``s = 0`` before the first tile)."""
+    ``s = sum exp(z - m)`` (``m = -inf``, ``s = 0`` before the first tile). Exponents are taken relative to
+    :func:`_center` (no ``-inf - -inf`` while a row has no finite logit yet: ``exp(-inf) = 0`` is exact)."""
     z = tl.where(col_ok[None, :], z, float("-inf"))
     new_m = tl.maximum(m, tl.max(z, axis=1))
-    scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - new_m))
-    p = tl.where(col_ok[None, :], tl.exp(z - new_m[:, None]), 0.0)
-    return new_m, s * scale + tl.sum(p, axis=1)
+    c = _center(new_m)
+    return new_m, s * tl.exp(m - c) + tl.sum(tl.exp(z - c[:, None]), axis=1)
 
 
 @triton.jit
@@ -172,16 +179,22 @@ def _online_pair(m_a, s_a, m_b, s_b, x, z_a, z_b, col_ok):
     zb = tl.where(col_ok[None, :], z_b, float("-inf"))
     new_a = tl.maximum(m_a, tl.max(za, axis=1))
     new_b = tl.maximum(m_b, tl.max(zb, axis=1))
+    c_a = _center(new_a)  # = new_a wherever a row has a finite logit (:func:`_online`)
+    c_b = _center(new_b)
     first = m_a == float("-inf")  # before the first tile: s = x = 0
-    scale_a = tl.where(first, 0.0, tl.exp(m_a - new_a))
-    scale_b = tl.where(m_b == float("-inf"), 0.0, tl.exp(m_b - new_b))
+    scale_a = tl.exp(m_a - c_a)  # 0 while m = -inf
     # the terms so far were relative to m_a, m_b: moving both adds (new_b - m_b) - (new_a - m_a) per unit of s_a
-    x = tl.where(first, 0.0, (x + s_a * ((new_b - m_b) - (new_a - m_a))) * scale_a)
-    ea = tl.where(col_ok[None, :], tl.exp(za - new_a[:, None]), 0.0)
-    eb = tl.where(col_ok[None, :], tl.exp(zb - new_b[:, None]), 0.0)
-    d = (za - new_a[:, None]) - (zb - new_b[:, None])
-    x += tl.sum(tl.where(ea != 0.0, ea * d, 0.0), axis=1)
-    return new_a, s_a * scale_a + tl.sum(ea, axis=1), new_b, s_b * scale_b + tl.sum(eb, axis=1), x
+    # (each difference taken 0 where its head had no finite logit: then x is 0, or +inf already)
+    shift = (c_b - tl.where(m_b == float("-inf"), c_b, m_b)) - (c_a - tl.where(first, c_a, m_a))
+    x = tl.where(first, 0.0, (x + s_a * shift) * scale_a)
+    ea = tl.exp(za - c_a[:, None])  # 0 outside col_ok (za = -inf there)
+    eb = tl.exp(zb - c_b[:, None])
+    # sum ea * d with d = (za - m_a) - (zb - m_b): a lane with ea = 0 adds 0 (selected before subtracting: no
+    # -inf - -inf, no 0 * inf); one with ea > 0 and zb = -inf adds +inf (the plain program's)
+    hot = ea != 0.0
+    d = tl.where(hot, za - c_a[:, None], 0.0) - tl.where(hot, zb - c_b[:, None], 0.0)
+    x += tl.sum(ea * d, axis=1)
+    return new_a, s_a * scale_a + tl.sum(ea, axis=1), new_b, s_b * tl.exp(m_b - c_b) + tl.sum(eb, axis=1), x
 
 
 @triton.jit
@@ -192,7 +205,8 @@ def _log_ratio(a, b, m_t, m_s, dl):
     the JSD's K and the gradient's ``ls - lm - K`` round alike."""
     a = a - m_t[:, None]
     b = b - m_s[:, None]
-    return a, b, (b - a) - dl[:, None]
+    # a lane masked in both heads (a = b = -inf) gives y = -inf, not -inf - -inf: its consumers select it out
+    return a, b, (b - tl.where(b == float("-inf"), 0.0, a)) - dl[:, None]
 
 
 @triton.jit
@@ -425,16 +439,16 @@ def _distill_rows_kernel(
         a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
         if DIV == 0:
             et = tl.exp(a)
-            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * y, 0.0), axis=1)
+            r0 -= tl.sum(et * tl.where(ok & (et != 0.0), y, 0.0), axis=1)
         elif DIV == 1:
             es = tl.exp(b)
-            r0 += tl.sum(tl.where(ok & (es != 0.0), es * y, 0.0), axis=1)
+            r0 += tl.sum(es * tl.where(ok & (es != 0.0), y, 0.0), axis=1)
         else:
             et = tl.exp(a)
             es = tl.exp(b)
             sp, sp_neg = _softplus_pair(y)
-            r0 -= tl.sum(tl.where(ok & (et != 0.0), et * (log_beta + sp), 0.0), axis=1)  # e_t (lt - lm)
-            r1 -= tl.sum(tl.where(ok & (es != 0.0), es * (log1m_beta + sp_neg), 0.0), axis=1)  # e_s (ls - lm)
+            r0 -= tl.sum(et * tl.where(ok & (et != 0.0), log_beta + sp, 0.0), axis=1)  # e_t (lt - lm)
+            r1 -= tl.sum(es * tl.where(ok & (es != 0.0), log1m_beta + sp_neg, 0.0), axis=1)  # e_s (ls - lm)
 
     out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
     tl.store(out, r0, mask=row_ok)
@@ -557,11 +571,13 @@ def _dz_tile(
         d = ps - tl.exp(a - l_t[:, None])
     else:
         aux = tl.load(Aux + offs_n, mask=row_ok, other=0.0)
+        # p_s (d - aux), 0 where p_s = 0: d selected (to 0) before the subtraction and the product, which see
+        # neither -inf - -inf nor 0 * inf in those lanes
         if DIV == 1:  # ls - lt from the log-probabilities (R, from the statistics pass, sums their products)
-            d = ls - (a - l_t[:, None])
+            hot = ps != 0.0
+            d = ps * ((tl.where(hot, ls, 0.0) - tl.where(hot, a - l_t[:, None], 0.0)) - aux[:, None])
         else:
-            d = -(log1m_beta + _softplus_pair(y)[1])  # ls - lm
-        d = tl.where(ps != 0.0, ps * (d - aux[:, None]), 0.0)
+            d = ps * tl.where(ps != 0.0, -(log1m_beta + _softplus_pair(y)[1]) - aux[:, None], 0.0)  # ls - lm - K
     dz += (g * soft_coef)[:, None] * d
     if HAS_CAP_S:
         dz = dz * slope_s
