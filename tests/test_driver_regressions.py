@@ -350,17 +350,10 @@ def test_triton_all_ignored_infinite_upstream_gives_zero_grads(form):
         assert torch.equal(got, torch.zeros_like(got)), got
 
 
-_DISTILL_FUSED_XFAIL = pytest.mark.xfail(
-    reason="issue 21.1 in cce_dist/distill_autograd.py (FusedDistill.backward multiplies the held gradients by g: "
-    "0 * inf); that module is being changed elsewhere, so it is not fixed here",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("grad_in_forward", [pytest.param(None, marks=_DISTILL_FUSED_XFAIL), False])
+@pytest.mark.parametrize("grad_in_forward", [None, False])
 def test_distillation_all_ignored_infinite_upstream_gives_zero_grads(impl, grad_in_forward):
-    """The two-pass distillation path gives zeros; the fused one (grad_in_forward) has the defect of issue 21.1."""
+    """Both distillation paths (the fused one holds gradients from the forward) give zeros (issue 21.1)."""
     if impl == "triton" and not TRITON:
         pytest.skip("needs triton (interpreter on CPU)")
     h, w, b = _inputs()
