@@ -218,12 +218,15 @@ def chunk(
                 assert m1 is not None and e1 is not None
                 p1 = e1.mul_(_normalizers(m1, glob[2])[0])
     local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
+    dz: Tensor | None
     if o.divergence == "kl":
+        assert a is not None  # the cross sum of the forward KL's statistics pass
         # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
         local_rows[:, 0] = c_t * a + (l_t - l_s) * (c_t * s_t_local)
         rows = reduce_rows(local_rows)
         if g is None:
             return glob.transpose(0, 1), rows, None
+        assert gs is not None  # set with g
         # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
         a_s = c_s * (gs + wg) if (wg is not None and p1 is None) else c_s * gs
         if wg is not None and p1 is None:  # the target's value, with wg*(p_s - 1) formed exactly near p_s = 1
@@ -254,10 +257,12 @@ def chunk(
             dz = zs.sub_(rows[:, 1]).mul_(ps) if g is not None else None
         if g is None:
             return glob.transpose(0, 1), rows, None
+        assert dz is not None and gs is not None  # both set with g
         dz.mul_(gs)
         if wg is not None and p1 is None:
             p1 = ps
     if p1 is not None:  # wg * (p1 - onehot): at the target (p1 - 1) * wg, exact near p1 = 1 (no cancellation)
+        assert wg is not None  # p1 is formed for the hard-label term only
         t_val = dz[t_rows, t_cols] + wg[t_cols] * (p1[t_rows, t_cols] - 1.0)
         dz.addcmul_(p1, wg)
     if wg is not None:
@@ -309,11 +314,12 @@ def forward(
     for sl in token_chunks(n, step):
         g = None
         if grads:
+            assert row_grad is not None  # grads needs it
             g = torch.where(heads.valid[sl], row_grad, 0.0).float()
         glob, r, dz = chunk(heads, buf, sl, reduce_stats, reduce_rows, g)
         stats[sl], rows[sl] = glob, r
         loss[sl] = loss_rows(heads, glob, r, sl)
-        if dz is not None and bool(g.any()):
+        if dz is not None and g is not None and acc is not None and bool(g.any()):
             _accumulate(acc, heads, dz, g, sl)
     out = acc.result() if acc is not None else (None, None, None)
     return (loss, stats, rows) + tuple(out)
@@ -333,6 +339,14 @@ def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need:
         if not bool(gc.any()):
             continue
         saved_stats = stats[sl].transpose(0, 1).reshape(-1, S.NUM_STATS)  # the [k * n, NUM_STATS] of forward
-        _, _, dz = chunk(heads, buf, sl, lambda _, s=saved_stats: s, lambda _, r=rows[sl]: r, gc)
+
+        def saved(_, s=saved_stats):
+            return s
+
+        def saved_rows(_, r=rows[sl]):
+            return r
+
+        _, _, dz = chunk(heads, buf, sl, saved, saved_rows, gc)
+        assert dz is not None  # asked for with gc
         _accumulate(acc, heads, dz, gc, sl)
     return acc.result()
