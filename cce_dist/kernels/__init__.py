@@ -16,7 +16,9 @@ Triton in :data:`TRITON_RANGE`; :func:`unsupported` says why the installed one c
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 # The Backend protocol's capabilities are exported too: a module satisfies the protocol through its public names.
 __all__ = [
@@ -89,66 +91,20 @@ def available() -> bool:
         return False
 
 
-# The signature mirrors cce_dist.backend.Backend.row_stats plus the options this backend declares, and the call below
-# passes it on to .forward.row_stats (imported lazily, so this package imports without triton).
-def row_stats(
-    hidden, weight, bias, targets, *, vocab_start, softcap, temperature, need_entropy=True, need_sum=True, **kw
-):
-    """Per-row logit statistics ``float32 [N, NUM_STATS]``; see :func:`.forward.row_stats`
-    (``need_entropy`` / ``need_sum``: compute those columns)."""
-    from .forward import row_stats as _row_stats
+# row_stats and grads are .forward.row_stats and .backward.grads themselves, imported on first use (so this package
+# imports without triton): their signatures are those functions' own, nothing restates them. mypy reads the imports
+# below and checks them against the cce_dist.backend.Backend protocol; tests/test_signatures.py checks that each
+# public keyword beyond the protocol's is a declared option (ROW_STATS_OPTIONS / GRADS_OPTIONS).
+if TYPE_CHECKING:  # pragma: no cover
+    from .backward import grads
+    from .forward import row_stats
 
-    return _row_stats(
-        hidden,
-        weight,
-        bias,
-        targets,
-        vocab_start=vocab_start,
-        softcap=softcap,
-        temperature=temperature,
-        need_entropy=need_entropy,
-        need_sum=need_sum,
-        **kw,
-    )
+_LAZY = {"row_stats": ".forward", "grads": ".backward"}
 
 
-# The signature mirrors cce_dist.backend.Backend.grads, and the call below passes it on to .backward.grads.
-def grads(
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    coef,
-    *,
-    vocab_start,
-    softcap,
-    temperature,
-    need_hidden,
-    need_weight,
-    need_bias,
-    filter_eps=None,
-    deterministic=False,
-    **kw,
-):
-    """``(d_hidden, d_weight, d_bias)`` in float32 (None where not needed); see
-    :func:`.backward.grads`."""
-    from .backward import grads as _grads
-
-    return _grads(
-        hidden,
-        weight,
-        bias,
-        targets,
-        lse,
-        coef,
-        vocab_start=vocab_start,
-        softcap=softcap,
-        temperature=temperature,
-        need_hidden=need_hidden,
-        need_weight=need_weight,
-        need_bias=need_bias,
-        filter_eps=filter_eps,
-        deterministic=deterministic,
-        **kw,
-    )
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups find it directly
+    return value
