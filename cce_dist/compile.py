@@ -70,7 +70,7 @@ def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
 
 
 def _stats(
-    hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy, need_sum
+    hidden, weight, bias, targets, *, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy, need_sum
 ):
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
     kw = backend_kwargs(
@@ -101,6 +101,7 @@ def _grads(
     targets,
     lse,
     coef,
+    *,
     compute_dtype,
     softcap,
     temperature,
@@ -152,8 +153,10 @@ def _grads(
 # cross-entropy rows
 # ----------------------------------------------------------------------------------------------
 # torch.library.custom_op reads each op's schema from its annotated signature, so every op spells out its
-# arguments in full, and the backward ops pass them on to _grads in the same order: the repeated argument
-# lists below mirror those signatures.
+# arguments in full. A backward op takes its forward op's tensors, what the forward saved and the upstream gradients,
+# then the forward op's options (ctx.args, passed on positionally) and the three need_* flags:
+# tests/test_signatures.py checks each backward op's parameters against its forward op's. _stats and _grads take
+# their options by keyword, so a call cannot pass them in the wrong order.
 
 
 @torch.library.custom_op("cce_dist::ce_rows", mutates_args=())
@@ -176,7 +179,17 @@ def _ce_rows(
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
     stats = _stats(
-        hidden, weight, bias, targets, compute_dtype, softcap, 1.0, impl, chunk_size, False, bool(label_smoothing)
+        hidden,
+        weight,
+        bias,
+        targets,
+        compute_dtype=compute_dtype,
+        softcap=softcap,
+        temperature=1.0,
+        impl=impl,
+        chunk_size=chunk_size,
+        need_entropy=False,
+        need_sum=bool(label_smoothing),
     )
     valid = targets != ignore_index
     loss, lse = formulas.cross_entropy_rows(
@@ -232,16 +245,16 @@ def _ce_rows_backward(
         targets,
         lse,
         coef,
-        compute_dtype,
-        softcap,
-        1.0,
-        impl,
-        chunk_size,
-        filter_eps,
-        deterministic,
-        need_hidden,
-        need_weight,
-        need_bias,
+        compute_dtype=compute_dtype,
+        softcap=softcap,
+        temperature=1.0,
+        impl=impl,
+        chunk_size=chunk_size,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
     )
 
 
@@ -322,7 +335,17 @@ def _logprob_rows(
     del filter_eps, deterministic  # backward-only options
     _check_targets(targets, ignore_index, weight.shape[0])
     stats = _stats(
-        hidden, weight, bias, targets, compute_dtype, softcap, temperature, impl, chunk_size, return_entropy, False
+        hidden,
+        weight,
+        bias,
+        targets,
+        compute_dtype=compute_dtype,
+        softcap=softcap,
+        temperature=temperature,
+        impl=impl,
+        chunk_size=chunk_size,
+        need_entropy=return_entropy,
+        need_sum=False,
     )
     lp, ent = formulas.logprob_rows(stats, targets != ignore_index)
     return lp, ent, stats
@@ -366,16 +389,16 @@ def _logprob_rows_backward(
         targets,
         S.lse(stats),
         coef,
-        compute_dtype,
-        softcap,
-        temperature,
-        impl,
-        chunk_size,
-        filter_eps,
-        deterministic,
-        need_hidden,
-        need_weight,
-        need_bias,
+        compute_dtype=compute_dtype,
+        softcap=softcap,
+        temperature=temperature,
+        impl=impl,
+        chunk_size=chunk_size,
+        filter_eps=filter_eps,
+        deterministic=deterministic,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
     )
 
 
