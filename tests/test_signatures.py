@@ -1,0 +1,306 @@
+"""Parameter lists that must agree across modules and that no single definition derives: each test compares the two
+sides (``inspect.signature``, or the source's ``ast`` where the lists are inside Triton kernels), so adding,
+removing or reordering a parameter on one side only fails here.
+
+What is derived instead needs no test: ``cce_dist.kernels.row_stats`` / ``grads`` are the kernels' own functions
+(a module ``__getattr__``), ``LinearCrossEntropy(**options)`` passes its keywords to ``CrossEntropyOptions``, and
+compile.py's ``_stats`` / ``_grads`` take their options by keyword.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import typing
+from pathlib import Path
+
+import pytest
+
+import cce_dist
+from cce_dist import api, distill, distill_torch, parallel, torch_impl
+from cce_dist import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
+from cce_dist.backend import Backend
+from cce_dist.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+
+PKG = Path(cce_dist.__file__).parent
+KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
+
+
+def _params(fn, *, drop_self=False):
+    """``[(name, kind, default)]`` of ``fn``'s parameters (annotations left out: they are strings here, spelled
+    differently for the same type)."""
+    ps = list(inspect.signature(fn).parameters.values())
+    if drop_self:
+        ps = ps[1:]
+    return [(p.name, p.kind, p.default) for p in ps]
+
+
+def _names(fn, kind=None):
+    return [p.name for p in inspect.signature(fn).parameters.values() if kind is None or p.kind == kind]
+
+
+def _insert_after(params, after, extra):
+    i = [p[0] for p in params].index(after) + 1
+    return params[:i] + extra + params[i:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the public functions and their options dataclasses (issue 21)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Keywords of the public functions that are not options: tensors passed by keyword.
+NOT_OPTIONS = {
+    "linear_cross_entropy": {"bias"},
+    "linear_logprobs": {"bias"},
+    "linear_distillation": {"student_bias", "teacher_bias"},
+}
+
+
+def _fields(options_cls):
+    return {f.name: f.default for f in dataclasses.fields(options_cls)}
+
+
+@pytest.mark.parametrize(
+    "fn, options_cls",
+    [
+        (api.linear_cross_entropy, CrossEntropyOptions),
+        (api.linear_logprobs, LogprobOptions),
+        (distill.linear_distillation, DistillationOptions),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_public_keywords_are_the_options_fields(fn, options_cls):
+    """Each keyword-only parameter (minus NOT_OPTIONS) is a field of the options dataclass with the same default,
+    and every field is a keyword; the typing overloads list the same keywords."""
+    sig = inspect.signature(fn)
+    keywords = {
+        p.name: p.default
+        for p in sig.parameters.values()
+        if p.kind == KEYWORD_ONLY and p.name not in NOT_OPTIONS[fn.__name__]
+    }
+    assert keywords == _fields(options_cls)
+    for overload in typing.get_overloads(fn):
+        assert _names(overload) == list(sig.parameters), overload
+
+
+def test_module_takes_the_options_fields():
+    """LinearCrossEntropy passes its keywords on to CrossEntropyOptions whole: every field is accepted, nothing else."""
+    assert _names(api.LinearCrossEntropy.__init__) == ["self", "options"]
+    fields = _fields(CrossEntropyOptions)
+    assert api.LinearCrossEntropy(**fields).options == CrossEntropyOptions(**fields)
+    with pytest.raises(TypeError):
+        api.LinearCrossEntropy(not_an_option=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _backends():
+    out = [torch_impl]
+    try:
+        from cce_dist import kernels
+    except ImportError:
+        return out
+    return out + [kernels]
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.NAME)
+@pytest.mark.parametrize("fn, options", [("row_stats", "ROW_STATS_OPTIONS"), ("grads", "GRADS_OPTIONS")])
+def test_backend_signature_is_the_protocols_plus_declared_options(backend, fn, options):
+    """The protocol's parameters first, as declared (names, kinds, defaults), then only the declared options and
+    private (``_``-prefixed, tests only) keywords, each with a default."""
+    assert isinstance(backend, Backend)
+    protocol = _params(getattr(Backend, fn), drop_self=True)
+    actual = _params(getattr(backend, fn))
+    assert actual[: len(protocol)] == protocol
+    extra = actual[len(protocol) :]
+    assert all(kind == KEYWORD_ONLY and default is not inspect.Parameter.empty for _, kind, default in extra), extra
+    public = {name for name, _, _ in extra if not name.startswith("_")}
+    declared = set(getattr(backend, options))
+    if fn == "grads":  # filter_eps / deterministic are the protocol's own (declared by SUPPORTS_* flags)
+        declared -= {"filter_eps", "deterministic"}
+    assert public == declared
+
+
+def test_kernels_row_stats_and_grads_are_the_kernel_functions():
+    kernels = pytest.importorskip("cce_dist.kernels")
+    pytest.importorskip("triton")
+    from cce_dist.kernels import backward, forward
+
+    assert kernels.row_stats is forward.row_stats
+    assert kernels.grads is backward.grads
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# planners and their launchers (cce_dist.kernels)
+# ---------------------------------------------------------------------------------------------------------------
+
+PLAN_EXTRA = [("props", KEYWORD_ONLY, None), ("allow_tf32", KEYWORD_ONLY, None)]
+
+
+def test_backward_plan_takes_grads_arguments():
+    """kernels.backward.plan: grads()'s parameters plus the device record and the TF32 switch, after the public
+    keywords."""
+    pytest.importorskip("triton")
+    from cce_dist.kernels import backward
+
+    assert _params(backward.plan) == _insert_after(_params(backward.grads), "deterministic", PLAN_EXTRA)
+
+
+@pytest.mark.parametrize(
+    "plan, launcher, after",
+    [("plan_stats", "stats", "cross"), ("plan_rows", "rows", "temperature"), ("plan_grads", "grads", "deterministic")],
+)
+def test_distill_plans_take_their_launchers_arguments(plan, launcher, after):
+    pytest.importorskip("triton")
+    from cce_dist.kernels import distill as kd
+
+    expected = _insert_after(_params(getattr(kd, launcher)), after, PLAN_EXTRA)
+    assert _params(getattr(kd, plan)) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernels' parameter lists (read from the source: the kernels are Triton JIT functions)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _functions(module: str):
+    tree = ast.parse((PKG / "kernels" / f"{module}.py").read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _arg_names(fn: ast.FunctionDef):
+    return [a.arg for a in fn.args.args]
+
+
+# Per family: the parameters every kernel of it takes, in this order (each kernel adds its own outputs, their
+# strides and its flags between them).
+KERNEL_FAMILIES = {
+    "backward": (
+        ["_grads_fused_kernel", "_dz_store_kernel", "_grads_dh_kernel", "_grads_dw_kernel"],
+        "H W Bias Targets LSE Coef N V D vocab_start softcap temperature filter_eps stride_hn stride_hd stride_wv "
+        "stride_wd stride_b stride_t stride_cn stride_ck HAS_BIAS HAS_SOFTCAP HAS_TEMP FILTER GAMMA_IN_TILE "
+        "USE_LIBDEVICE DOT_PRECISION INTERP_BF16 BLOCK_N BLOCK_V BLOCK_D",
+    ),
+    "distill": (
+        [
+            "_distill_stats_kernel",
+            "_distill_rows_kernel",
+            "_distill_grads_kernel",
+            "_distill_dh_kernel",
+            "_distill_dw_kernel",
+        ],
+        "HS WS BS HT WT BT N V DS DT cap_s cap_t temperature stride_hsn stride_hsd stride_wsv stride_wsd "
+        "stride_bs stride_htn stride_htd stride_wtv stride_wtd stride_bt HAS_BS HAS_BT HAS_CAP_S HAS_CAP_T "
+        "HAS_TEMP USE_LIBDEVICE PREC_S PREC_T INTERP_S INTERP_T BLOCK_N BLOCK_V BLOCK_D",
+    ),
+}
+
+
+@pytest.mark.parametrize("module", sorted(KERNEL_FAMILIES))
+def test_kernel_parameter_lists_agree(module):
+    """Every kernel of a family takes the shared parameters, and any two kernels order the parameters they both
+    take alike (the launchers build their arguments from the same pieces)."""
+    names, shared = KERNEL_FAMILIES[module]
+    fns = _functions(module)
+    assert sorted(name for name in fns if name.endswith("_kernel")) == sorted(names)
+    lists = {name: _arg_names(fns[name]) for name in names}
+    shared_list = shared.split()
+    for name, params in lists.items():
+        assert [p for p in params if p in shared_list] == shared_list, name
+    for a, pa in lists.items():
+        for b, pb in lists.items():
+            common = set(pa) & set(pb)
+            assert [p for p in pa if p in common] == [p for p in pb if p in common], (a, b)
+
+
+# A caller's own names for logit_tile's parameters.
+LOGIT_TILE_RENAMES = {"PREC": "DOT_PRECISION", "INTERP": "INTERP_BF16"}
+
+
+def test_logit_tile_calls_pass_its_parameters_in_order():
+    """The forward, backward and distillation kernels form their logits with the same logit_tile call (bit-identical
+    logits): each argument is the variable named after the parameter it fills."""
+    params = _arg_names(_functions("_common")["logit_tile"])
+    callers = []
+    for module in ("forward", "backward", "distill"):
+        for fn in _functions(module).values():
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "logit_tile":
+                    assert not node.keywords
+                    args = [LOGIT_TILE_RENAMES.get(ast.unparse(a), ast.unparse(a)) for a in node.args]
+                    assert args == params, (module, fn.name)
+                    callers.append(fn.name)
+    assert sorted(callers) == ["_dz_tile", "_head_logits", "_row_stats_kernel"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# distillation: the torch and Triton modules distill_autograd calls alike
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["forward", "grads"])
+def test_distill_triton_takes_distill_torchs_arguments(fn):
+    from cce_dist import distill_triton
+
+    assert _params(getattr(distill_triton, fn)) == _params(getattr(distill_torch, fn))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tensor-parallel handshake
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _calls(path: Path, name: str):
+    tree = ast.parse(path.read_text())
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
+def test_handshake_callers_pass_every_keyword():
+    """api.py and distill.py call parallel.handshake with every keyword by name; the keywords have no defaults, so
+    mypy also reports a missing one."""
+    sig = inspect.signature(parallel.handshake)
+    keywords = [p.name for p in sig.parameters.values() if p.kind == KEYWORD_ONLY]
+    assert all(sig.parameters[k].default is inspect.Parameter.empty for k in keywords)
+    n_calls = 0
+    for module in ("api.py", "distill.py"):
+        for call in _calls(PKG / module, "handshake"):
+            assert [k.arg for k in call.keywords] == keywords, module
+            assert len(call.args) == len(sig.parameters) - len(keywords), module
+            n_calls += 1
+    assert n_calls == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile.py's custom ops
+# ---------------------------------------------------------------------------------------------------------------
+
+NEEDS = ["need_hidden", "need_weight", "need_bias"]
+
+
+def _schema(op: str):
+    """``[(name, type)]`` of the registered op's arguments (read from its annotated signature)."""
+    import torch
+
+    return [(a.name, str(a.type)) for a in getattr(torch.ops.cce_dist, op).default._schema.arguments]
+
+
+@pytest.mark.parametrize(
+    "forward, saved",
+    [("ce_rows", ["lse", "lse_residual", "g_loss", "g_lse"]), ("logprob_rows", ["stats", "g_lp", "g_ent"])],
+)
+def test_compile_backward_op_takes_forward_ops_arguments(forward, saved):
+    """A backward op: the forward op's 4 tensors, the saved outputs and upstream gradients, the forward op's options
+    (ctx.args, passed positionally: same names, same order, same types) and the need_* flags."""
+    fwd = _schema(forward)
+    bwd = _schema(forward + "_backward")
+    assert [n for n, _ in bwd] == [n for n, _ in fwd[:4]] + saved + [n for n, _ in fwd[4:]] + NEEDS
+    assert bwd[:4] == fwd[:4]
+    assert bwd[4 + len(saved) : -len(NEEDS)] == fwd[4:]
