@@ -152,7 +152,8 @@ def _exchange(
         # single-device call would, instead of contributing no target logit (loss = lse).
         check_target_range(rows.targets, opts.ignore_index, layout.vocab_size)
         return layout, rows
-    # the keywords mirror parallel.handshake's signature (api.py and distill.py pass their own values)
+    # every keyword by name (api.py and distill.py pass their own values): mypy checks the call against handshake's
+    # signature, and tests/test_signatures.py that both callers pass every keyword
     layout = handshake(
         shard,
         error,

@@ -168,7 +168,8 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
                 "linear_distillation needs VocabShard(check=True): its handshake checks that every rank "
                 "holds the same vocabulary rows of both heads"
             )
-        # the keywords mirror parallel.handshake's signature (api.py and distill.py pass their own values)
+        # every keyword by name (api.py and distill.py pass their own values): mypy checks the call against handshake's
+        # signature, and tests/test_signatures.py that both callers pass every keyword
         layout = handshake(
             shard,
             error,

@@ -70,7 +70,8 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     )
 
 
-# forward and grads mirror distill_torch's signatures: distill_autograd calls either module the same way.
+# forward and grads take distill_torch's arguments (test_distill_triton_takes_distill_torchs_arguments in
+# tests/test_signatures.py compares the signatures): distill_autograd calls either module the same way.
 def forward(
     heads: Heads,
     step: int,

@@ -304,7 +304,9 @@ def inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> 
     return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
 
 
-# The signature mirrors the Backend protocol's grads (cce_dist.backend), plus this backend's chunk_size.
+# The Backend protocol's grads (cce_dist.backend), plus this backend's chunk_size: mypy checks the module against the
+# protocol, and test_backend_signature_is_the_protocols_plus_declared_options (tests/test_signatures.py) that the
+# extra keywords are the declared GRADS_OPTIONS.
 def grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -92,6 +92,9 @@ from ._common import (
 # members (the flags, strides the launcher specialized to 1) into runtime values.
 
 
+# Its logit_tile call passes logit_tile's parameters in order, as the forward kernel's does (the comment inside says
+# "mirror"; the function body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
+# tests/test_signatures.py checks every call.
 @triton.jit
 def _dz_tile(
     offs_n,
@@ -286,8 +289,10 @@ def _add_products(
             )
 
 
-# The kernels' parameter lists mirror each other (and plan(), which builds their arguments): each
-# names what it reads and passes the shared part on to the helpers as written out above.
+# The four kernels take the shared parameters in one order (plan() builds their arguments from the same pieces;
+# tests/test_signatures.py's test_kernel_parameter_lists_agree checks the order, and tests/test_aot_compile.py compiles
+# every launch plan() builds): each names what it reads and passes the shared part on to the helpers as written out
+# above.
 @triton.jit
 def _grads_fused_kernel(
     H,
@@ -372,8 +377,8 @@ def _grads_fused_kernel(
             )  # fmt: skip
 
 
-# Its parameter list mirrors _grads_fused_kernel's, with the dz scratch and the db partial sums in
-# place of the gradients (plan() builds both from the same pieces).
+# Its parameter list is _grads_fused_kernel's, with the dz scratch and the db partial sums in place of the gradients
+# (plan() builds both from the same pieces; test_kernel_parameter_lists_agree in tests/test_signatures.py).
 @triton.jit
 def _dz_store_kernel(
     H,
@@ -508,7 +513,7 @@ def _grads_dh_kernel(
             )  # fmt: skip
 
 
-# The mirror image of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
+# The transpose of _grads_dh_kernel (the roles of the token and vocab axes swapped), kept as its
 # own kernel: each owner kernel has its own config and grid, and a fused pair would hold both states.
 @triton.jit
 def _grads_dw_kernel(
@@ -750,7 +755,8 @@ def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> 
 
 
 # plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
-# from the device and torch), and grads() passes them on: the two signatures mirror each other.
+# from the device and torch), and grads() passes them on: test_backward_plan_takes_grads_arguments in
+# tests/test_signatures.py compares the two signatures.
 def plan(
     hidden,
     weight,

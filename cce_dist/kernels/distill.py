@@ -71,6 +71,9 @@ CROSS_COL = SUM
 _CROSS = tl.constexpr(CROSS_COL)
 
 
+# Its logit_tile call passes logit_tile's parameters in order, under this module's names PREC / INTERP (the comment
+# inside says "mirror"; the function body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
+# tests/test_signatures.py checks every call.
 @triton.jit
 def _head_logits(
     X,
@@ -237,11 +240,12 @@ def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     return pid_s, offs_n, offs_n < N, v_lo, tl.minimum(v_lo + v_per_split, V)
 
 
-# The kernels' parameter lists mirror each other (and the plan_* launchers, which build their
-# arguments alike): each names what it reads. ``S`` / ``T`` = each head's (H, W, Bias, D, stride_hn,
-# stride_hd, stride_wv, stride_wd, stride_b) travel to the helpers as plain tuples passed whole (no
-# constexpr member; _head_logits unpacks them); everything else is written out in the helpers'
-# parameter order, as in :mod:`.backward` (Triton 3.6 and 3.7 reject star-expanded arguments).
+# The kernels take the shared parameters in one order (the plan_* launchers build their arguments alike;
+# test_kernel_parameter_lists_agree in tests/test_signatures.py checks the order, and tests/test_aot_compile.py
+# compiles every launch the plans build): each names what it reads. ``S`` / ``T`` = each head's (H, W, Bias, D,
+# stride_hn, stride_hd, stride_wv, stride_wd, stride_b) travel to the helpers as plain tuples passed whole (no
+# constexpr member; _head_logits unpacks them); everything else is written out in the helpers' parameter order,
+# as in :mod:`.backward` (Triton 3.6 and 3.7 reject star-expanded arguments).
 @triton.jit
 def _distill_stats_kernel(
     HS,
@@ -357,7 +361,7 @@ def _distill_stats_kernel(
         tl.store(out + 2 * stride_ok + _TARGET, x_1, mask=row_ok)
 
 
-# Its parameter list mirrors _distill_stats_kernel's (plan_rows builds both alike; see the comment above).
+# Its parameter list follows _distill_stats_kernel's (plan_rows builds both alike; see the comment above).
 @triton.jit
 def _distill_rows_kernel(
     HS,
@@ -992,8 +996,10 @@ def _cross_flag(cross) -> int:
 
 
 # Each plan_* takes its launcher's arguments (stats, rows, grads; plus the device record and the TF32
-# switch that a launch reads from the device and torch), and the launcher passes them on: the
-# signatures mirror each other, as do the kernels' argument tuples built here.
+# switch that a launch reads from the device and torch), and the launcher passes them on
+# (test_distill_plans_take_their_launchers_arguments in tests/test_signatures.py compares the signatures; the
+# argument tuples built here are compiled against the kernels by tests/test_aot_compile.py and run by the
+# interpreter tests).
 def plan_stats(
     hs,
     ws,

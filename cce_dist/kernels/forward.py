@@ -25,6 +25,9 @@ from ._common import check_inputs, dot_precision, interp_bf16, interpreting, log
 _SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.stats)
 
 
+# Its logit_tile call passes logit_tile's parameters in order, as the backward's _dz_tile does (the comment inside
+# says "mirror"; the kernel body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
+# tests/test_signatures.py checks every call.
 @triton.jit
 def _row_stats_kernel(
     H,
