@@ -21,13 +21,15 @@ than the same-dtype program is, within 2x (``grad_report``: sums of cancelling t
 rounding apart). The loss is judged the same way, with a float32 tolerance that grows with the soft
 logits' range (``|log p|``, which every divergence term carries).
 
-Masked tokens (``docs``: ``cce_dist/distill_torch.py``'s module docstring). A ``-inf`` bias entry without a
-softcap on that head is a masked token (probability 0). The materialized program gives NaN there
+Masked tokens (as ``cce_dist/distill_torch.py``'s module docstring documents them). A ``-inf`` bias entry
+without a softcap on that head is a masked token (probability 0). The materialized program gives NaN there
 (``0 * -inf``) or, where the divergence really is infinite, ``+inf``: teacher mass on a student-masked
 token for ``kl``, student mass on a teacher-masked one for ``reverse_kl`` (a hard-label target is never a
-student-masked token here). Rows of that kind must come out ``+inf`` (a scalar reduction too); every other
+student-masked token here). Rows of that kind must come out ``+inf`` (a scalar reduction too; with
+``hard_label_weight=1`` the divergence's weight 0 times ``+inf`` is NaN, as materialized); every other
 row must be finite and equal to the program whose masked logits are a finite -3e4 (``exp`` of it over
-T <= 20 is exactly 0 in float64: the same probabilities and ``0 log 0 = 0``), gradients included. With a
+T <= 20 is exactly 0 in float64: the same probabilities and ``0 log 0 = 0``), gradients included (not the
+program with those vocab rows removed: a token masked in one head only is still in the other head's softmax). With a
 softcap on the head the ``-inf`` raw logit is capped to ``-softcap`` (finite), as materialized. A teacher
 probability between 0 and 1e-30 on a student-masked token (where float32 underflow may legitimately drop
 it) may give either.
@@ -367,11 +369,28 @@ def check_distillation(data, impl: str, divergence: str):
 
             # reverse_kl / jsd gradients carry log-ratios (|ls - lt| up to twice the soft logits' range)
             factor = 1 + (2 * zsoft if divergence != "kl" else 0.0)
+            # The logits' gradient is a difference of terms (kl: T**2 / T * (p_s - p_t)) that cancel where the two
+            # heads agree; float32 gets each term to an ulp or so, so its error scales with the terms, not with
+            # their difference (grad_tol's scale). A few float32 ulps of every term, chained through |W|, |H|:
+            ps = _soft_probs(hs, ws, bs, caps[0], temperature)
+            pt = _soft_probs(ht, wt, bt, caps[1], temperature)
+            terms = (1 - hard) * tsq / temperature * (ps + pt) * factor
+            if hard:
+                terms = terms + hard * (_soft_probs(hs, ws, bs, caps[0], 1.0) + 1)
+            a = up.double().reshape(-1) if reduction == "none" else up.double().expand(n)
+            if reduction == "mean":
+                a = a / max(int(valid.sum()), 1)
+            dz = 4 * e32 * terms * torch.where(valid, a.abs(), torch.zeros_like(a))[:, None]  # [N, V]
+            cancel = [
+                float((dz @ ws.double().abs()).max()),
+                float((dz.t() @ hs.reshape(n, -1).double().abs()).max()),
+                float(dz.sum(0).max()),
+            ]
             for i, (name, x, y, src) in enumerate(zip(names, got, want_g, (hs, ws, bs))):
                 if x is None or y is None:
                     continue
                 lowp = cd_s if cd_s != torch.float32 else src.dtype
-                tol = grad_tol(lowp, y) * factor + store_rounding_tol(lowp, src.dtype, y)
+                tol = grad_tol(lowp, y) * factor + store_rounding_tol(lowp, src.dtype, y) + cancel[i]
                 if r := grad_report(x, y, tol, lambda i=i: exact(i)):
                     fails.append(f"{name}: {r}")
     after = [x for x in (hs, ws, ht, wt) + tuple(x for x in (bs, bt, targets) if x is not None)]
@@ -397,3 +416,23 @@ def test_fuzz_distill_torch(data, divergence):
 @given(data=st.data())
 def test_fuzz_distill_triton_interpreter(data, divergence):
     check_distillation(data, "triton", divergence)
+
+
+@needs_triton
+@pytest.mark.xfail(
+    strict=True, reason="defect found by this fuzz: triton JSD is NaN when one head's logits sit ~88+ below"
+)
+def test_triton_jsd_with_one_head_offset_is_finite():
+    """Found by the fuzz (V = 1, T = 0.05, a teacher bias of -60.5: soft logits ~1200 below the student's). JSD is
+    unchanged by a constant added to one head's logits; the torch implementation gives the right values, the Triton
+    kernels NaN once the offset (after the temperature) reaches about 88, where ``exp`` of it underflows in float32
+    (the student's offset too). Reported, not fixed here (library code)."""
+    g = torch.Generator().manual_seed(0)
+    sh, sw = torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g)
+    th, tw = torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g)
+    tb = torch.full((2,), -100.0)
+    kw = dict(teacher_bias=tb, divergence="jsd", reduction="none")
+    want = linear_distillation(sh, sw, th, tw, impl="torch", **kw)
+    assert bool(torch.isfinite(want).all())
+    got = linear_distillation(sh, sw, th, tw, impl="triton", **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
