@@ -55,6 +55,7 @@ from test_distill_oracle import oracle_distill
 from test_fuzz import (
     CHECKED,
     DTYPES,
+    EPS,
     backward_grads,
     fuzz_settings,
     grad_report,
@@ -247,7 +248,7 @@ def check_distillation(data, impl: str, divergence: str):
     if tuple(out.shape) != tuple(out_shape):
         fails.append(f"loss shape {tuple(out.shape)} != {tuple(out_shape)}")
 
-    def ref(h_, w_, b_, s_dtype, t_dtype, reduction=reduction):
+    def ref(h_, w_, b_, s_dtype, t_dtype, reduction=reduction, contract=None):
         ht_ = ht.double() if t_dtype == torch.float64 else ht
         wt_ = wt.double() if t_dtype == torch.float64 else wt
         bt_ = _masked_to_finite(bt)
@@ -262,6 +263,7 @@ def check_distillation(data, impl: str, divergence: str):
             teacher_bias=bt_,
             student_dtype=s_dtype,
             teacher_dtype=t_dtype,
+            student_contract=contract,
             **{**okw, "reduction": reduction},
         )
 
@@ -359,7 +361,16 @@ def check_distillation(data, impl: str, divergence: str):
                     fails.append(f"{name} not zero for loss * 0")
         elif up_mode in ("rand", "inf_ignored") and finite_loss and (up_mode == "rand" or reduction == "none"):
             want_g = backward_grads([want], s2, [up])
-            exact_cache = {}
+            exact_cache, contract_cache = {}, {}
+
+            def contract_exact(i):
+                # the float64 program of the contract: the student's logits rounded to its compute dtype as both
+                # programs round them, the teacher's as materialized, everything after in float64
+                if not contract_cache:
+                    h3 = leaves(*(None if x is None else x.double() for x in (hs, ws, bs_fin)), need=need)
+                    e = ref(*h3, torch.float64, cd_t, contract=cd_s)
+                    contract_cache.update(enumerate(backward_grads([e], h3, [up.double()])))
+                return contract_cache[i]
 
             def exact(i):
                 if not exact_cache:
@@ -369,18 +380,31 @@ def check_distillation(data, impl: str, divergence: str):
 
             # reverse_kl / jsd gradients carry log-ratios (|ls - lt| up to twice the soft logits' range)
             factor = 1 + (2 * zsoft if divergence != "kl" else 0.0)
-            # The logits' gradient is a difference of terms (kl: T**2 / T * (p_s - p_t)) that cancel where the two
-            # heads agree; float32 gets each term to an ulp or so, so its error scales with the terms, not with
-            # their difference (grad_tol's scale). A few float32 ulps of every term, chained through |W|, |H|:
+            # The logits' gradient dz is a difference of terms (kl: T**2 / T * (p_s - p_t); the hard term p1 - onehot)
+            # that cancel where they agree: float32 gets each term to an ulp or so, so its error scales with the
+            # terms, not with their difference (grad_tol's scale). And a low-precision backward rounds dz (or, fused,
+            # the gradient at unit upstream) to the head's dtype before the GEMMs, an error of u * |dz| per term
+            # that the GEMM's cancellation keeps (u: the dtype's unit roundoff; the same-dtype materialized program
+            # makes it too, differently). So a few float32 ulps of every term plus 2u of every |dz|, chained
+            # through |W|, |H|:
             ps = _soft_probs(hs, ws, bs, caps[0], temperature)
             pt = _soft_probs(ht, wt, bt, caps[1], temperature)
             terms = (1 - hard) * tsq / temperature * (ps + pt) * factor
             if hard:
-                terms = terms + hard * (_soft_probs(hs, ws, bs, caps[0], 1.0) + 1)
+                p1 = _soft_probs(hs, ws, bs, caps[0], 1.0)
+                onehot = torch.zeros_like(p1)
+                t1 = targets.reshape(-1).long()
+                onehot[valid, t1[valid]] = 1.0
+                terms = terms + hard * (p1 + onehot)
+                dz_abs = (1 - hard) * tsq / temperature * (ps + pt) * factor + hard * (p1 - onehot).abs()
+            else:
+                dz_abs = terms
             a = up.double().reshape(-1) if reduction == "none" else up.double().expand(n)
             if reduction == "mean":
                 a = a / max(int(valid.sum()), 1)
-            dz = 4 * e32 * terms * torch.where(valid, a.abs(), torch.zeros_like(a))[:, None]  # [N, V]
+            a = torch.where(valid, a.abs(), torch.zeros_like(a))[:, None]
+            u = EPS[cd_s] if cd_s != torch.float32 else 0.0
+            dz = (4 * e32 * terms + 2 * u * dz_abs) * a  # [N, V]
             cancel = [
                 float((dz @ ws.double().abs()).max()),
                 float((dz.t() @ hs.reshape(n, -1).double().abs()).max()),
@@ -391,7 +415,7 @@ def check_distillation(data, impl: str, divergence: str):
                     continue
                 lowp = cd_s if cd_s != torch.float32 else src.dtype
                 tol = grad_tol(lowp, y) * factor + store_rounding_tol(lowp, src.dtype, y) + cancel[i]
-                if r := grad_report(x, y, tol, lambda i=i: exact(i)):
+                if r := grad_report(x, y, tol, lambda i=i: exact(i), lambda i=i: contract_exact(i)):
                     fails.append(f"{name}: {r}")
     after = [x for x in (hs, ws, ht, wt) + tuple(x for x in (bs, bt, targets) if x is not None)]
     if not all(torch.equal(a, c) for a, c in zip(before, after)):
