@@ -3,13 +3,15 @@
     python -m benchmarks.reliability_counts                       # CI sizes: fuzz, faults, numerics
     CCE_FUZZ_EXAMPLES=10000 python -m benchmarks.reliability_counts --suites fuzz   # long fuzzing
 
-Runs ``pytest`` in this process on ``tests/test_fuzz.py``, ``tests/test_faults.py`` and
+Runs ``pytest`` in this process on ``tests/test_fuzz.py`` and ``tests/test_fuzz_distill.py`` (the
+``fuzz`` suite), ``tests/test_faults.py`` and
 ``tests/test_numerics.py`` (or the ``--suites`` given; extra arguments after ``--`` go to pytest)
 and counts from what actually ran, never from constants alone:
 
 - fuzzed cases: ``tests/test_fuzz.py`` counts every case it checked against the oracle and found
   right (``test_fuzz.CHECKED``, by property family: torch / triton-interpreter cross-entropy and
-  logprobs, sharded torch / triton on 3 gloo ranks);
+  logprobs, sharded torch / triton on 3 gloo ranks; ``tests/test_fuzz_distill.py`` adds torch /
+  triton-interpreter distillation per divergence);
 - faults injected on a process group: the case lists of ``tests/test_faults.py``
   (``ERROR_CASES``, ``NONFINITE_CASES``, ``DEATHS``, ``STALLS``, the head-dtype case), each counted
   only when the test that injects it passed;
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Any
 
@@ -34,7 +37,11 @@ import pytest
 
 from benchmarks.common import REPO, close_env, env_info, md_table, write_results
 
-SUITES = {"fuzz": "tests/test_fuzz.py", "faults": "tests/test_faults.py", "numerics": "tests/test_numerics.py"}
+SUITES = {
+    "fuzz": ["tests/test_fuzz.py", "tests/test_fuzz_distill.py"],
+    "faults": ["tests/test_faults.py"],
+    "numerics": ["tests/test_numerics.py"],
+}
 
 
 class _Recorder:
@@ -68,6 +75,8 @@ class _Recorder:
 def _count(rec: _Recorder) -> dict:
     counts: dict[str, Any] = {}
     fuzz = rec.modules.get("test_fuzz")
+    if fuzz is None and "test_fuzz_distill" in rec.modules:
+        fuzz = sys.modules.get("test_fuzz")  # imported by test_fuzz_distill, which counts into its CHECKED
     if fuzz is not None:
         checked = dict(sorted(fuzz.CHECKED.items()))
         counts["fuzz_cases_by_family"] = checked
@@ -166,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = list(args.pytest_args)
     if long and not any(a.startswith("--timeout") for a in extra):
         extra.append("--timeout=0")  # pyproject's 600 s per test would cut a long property short
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", *[SUITES[s] for s in suites], *extra], plugins=[rec])
+    rc = pytest.main(
+        ["-q", "-p", "no:cacheprovider", *[path for s in suites for path in SUITES[s]], *extra], plugins=[rec]
+    )
     payload = {
         "command": command,
         "exit_status": int(rc),

@@ -14,12 +14,16 @@ import math
 
 import torch
 import torch.nn.functional as F
+from oracle import _rounded
 
 Tensor = torch.Tensor
 
 
-def _logits(h, w, b, cap, temperature, dtype):
-    z = F.linear(h.to(dtype), w.to(dtype), None if b is None else b.to(dtype)).double()
+def _logits(h, w, b, cap, temperature, dtype, contract=None):
+    if contract is None:
+        z = F.linear(h.to(dtype), w.to(dtype), None if b is None else b.to(dtype)).double()
+    else:  # tests/oracle.py's contract: the values rounded to ``contract``, gradients straight through
+        z = _rounded(F.linear(*(_rounded(x, contract) for x in (h, w, b))), contract)
     if cap is not None:
         z = cap * torch.tanh(z / cap)
     return z, z / temperature
@@ -44,11 +48,24 @@ def oracle_distill(
     softcap=None,
     student_dtype: torch.dtype = torch.float64,
     teacher_dtype: torch.dtype = torch.float64,
+    student_contract: torch.dtype | None = None,
 ) -> Tensor:
-    """float64 loss of the materialized two-head program (keywords as in ``linear_distillation``)."""
+    """float64 loss of the materialized two-head program (keywords as in ``linear_distillation``).
+
+    ``student_contract`` (with float64 student tensors and ``student_dtype=torch.float64``): the student's
+    inputs and raw logits take the values of their rounding to that dtype, gradients passed straight through
+    (``tests/oracle.py``'s ``contract``)."""
     caps = softcap if isinstance(softcap, tuple) else (softcap, softcap)
     d = student_hidden.shape[-1]
-    z1, zs = _logits(student_hidden.reshape(-1, d), student_weight, student_bias, caps[0], temperature, student_dtype)
+    z1, zs = _logits(
+        student_hidden.reshape(-1, d),
+        student_weight,
+        student_bias,
+        caps[0],
+        temperature,
+        student_dtype,
+        student_contract,
+    )
     tb = None if teacher_bias is None else teacher_bias.detach()
     _, zt = _logits(
         teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
