@@ -441,6 +441,10 @@ def _distill_rows_kernel(
             USE_LIBDEVICE, PREC_S, PREC_T, INTERP_S, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D,
         )  # fmt: skip
         a, b, y = _log_ratio(z_t, z_s, m_t, m_s, dl)
+        # Lanes past V (or past this split) hold finite logits of zero-filled loads: exp(z - M) would overflow
+        # to inf where a head's row max M is below -88 (inf * 0 = NaN in the sums below). They weigh nothing.
+        a = tl.where(ok, a, float("-inf"))
+        b = tl.where(ok, b, float("-inf"))
         if DIV == 0:
             et = tl.exp(a)
             r0 -= tl.sum(et * tl.where(ok & (et != 0.0), y, 0.0), axis=1)
