@@ -111,7 +111,7 @@ def test_gemm_out_of_memory_reaches_the_caller(monkeypatch):
     calls = _count_out_dtype_calls(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     out, a, b = _operands()
     with _pretend_cuda_tensors(), pytest.raises(torch.OutOfMemoryError):
-        KB._mm_f32(out, a, b, accumulate=True)
+        KB.mm_f32(out, a, b, accumulate=True)
     assert calls == ["addmm"]
 
 
@@ -128,7 +128,7 @@ def test_gemm_device_error_reaches_the_caller(monkeypatch):
     _count_out_dtype_calls(monkeypatch, exc)
     out, a, b = _operands()
     with _pretend_cuda_tensors(), pytest.raises(err):
-        KB._mm_f32(out, a, b, accumulate=False)
+        KB.mm_f32(out, a, b, accumulate=False)
 
 
 def test_gemm_without_out_dtype_is_decided_once(monkeypatch):
@@ -140,10 +140,10 @@ def test_gemm_without_out_dtype_is_decided_once(monkeypatch):
     with _pretend_cuda_tensors():
         for _ in range(3):
             got = out.clone()
-            KB._mm_f32(got, a, b, accumulate=True)
+            KB.mm_f32(got, a, b, accumulate=True)
             torch.testing.assert_close(got, want_acc, rtol=1e-6, atol=1e-6)
         got = torch.empty_like(out)
-        KB._mm_f32(got, a, b, accumulate=False)
+        KB.mm_f32(got, a, b, accumulate=False)
     torch.testing.assert_close(got, a.float() @ b.float(), rtol=1e-6, atol=1e-6)
     assert len(calls) <= 1, f"the fp32-output GEMM was attempted {len(calls)} times: {calls}"
 
@@ -210,15 +210,15 @@ def _fake_memory(monkeypatch, *, driver_free: int, reserved: int, allocated: int
 def test_chunked_fits_counts_the_allocators_cache(monkeypatch):
     """A warmed-up loop: the driver reports 1 MB free, but torch's allocator holds 2 GB reserved and unused."""
     _fake_memory(monkeypatch, driver_free=1 << 20, reserved=30 << 30, allocated=28 << 30)
-    assert KB._chunked_fits(CUDA0, deterministic=False)
-    assert KB._chunked_fits(CUDA0, deterministic=True)
+    assert KB._chunked_verdict(CUDA0, deterministic=False)[0]
+    assert KB._chunked_verdict(CUDA0, deterministic=True)[0]
 
 
 def test_chunked_does_not_fit_when_neither_has_room(monkeypatch):
     _fake_memory(monkeypatch, driver_free=4 << 20, reserved=30 << 30, allocated=(30 << 30) - (4 << 20))
-    assert not KB._chunked_fits(CUDA0, deterministic=False)
+    assert not KB._chunked_verdict(CUDA0, deterministic=False)[0]
     _fake_memory(monkeypatch, driver_free=8 << 20, reserved=30 << 30, allocated=(30 << 30) - (8 << 20))
-    assert KB._chunked_fits(CUDA0, deterministic=False)  # 8 + 8 MB: exactly the 16 MB scratch
+    assert KB._chunked_verdict(CUDA0, deterministic=False)[0]  # 8 + 8 MB: exactly the 16 MB scratch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,8 +313,7 @@ def test_the_chosen_schedule_is_logged(caplog):
 def test_the_fallback_and_its_reason_are_logged(monkeypatch, caplog):
     """Too little memory for the chunked scratch: the atomic schedule runs, and the log says why."""
     reason = "chunked scratch did not fit: 1048576 bytes free"
-    monkeypatch.setattr(KB, "_chunked_verdict", lambda device, det: (False, reason), raising=False)
-    monkeypatch.setattr(KB, "_chunked_fits", lambda device, det: False)
+    monkeypatch.setattr(KB, "_chunked_verdict", lambda device, det: (False, reason))
     with caplog.at_level(logging.DEBUG, logger="cce_dist"):
         _small_grads()
         _small_grads(deterministic=True)

@@ -640,11 +640,6 @@ def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias
     return nc, vc
 
 
-def _chunked_fits(device: torch.device, deterministic: bool) -> bool:
-    """Whether the chunked schedule can run: see :func:`_chunked_verdict`."""
-    return _chunked_verdict(device, deterministic)[0]
-
-
 def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, str]:
     """``(fits, why)``: whether the chunked schedule can run (at any N: its row blocks keep the scratch within
     ``CHUNK_SCRATCH_BYTES``), and a reason for the log. On a CUDA device it needs that much memory available to an
@@ -662,13 +657,6 @@ def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, s
     if free < need:
         return False, f"chunked scratch did not fit: {free} bytes free (driver + allocator cache) < {need}"
     return True, f"{free} bytes free >= {need} of scratch"
-
-
-def _mm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """``out (+)= a @ b`` with a float32 ``out`` and fp32 accumulation: :func:`cce_dist.runtime.mm_f32` (one GEMM
-    with a float32 result where the build has one, decided once per device and dtype; else upcast operands, the
-    same values)."""
-    mm_f32(out, a, b, accumulate)
 
 
 def _chunked_launches(
@@ -703,9 +691,9 @@ def _chunked_launches(
         dz = scratch[: r1 - r0, : c1 - c0]
         first = r0 == 0
         if dh is not None:
-            _mm_f32(dh[r0:r1], dz, weight[c0:c1], accumulate=True)
+            mm_f32(dh[r0:r1], dz, weight[c0:c1], accumulate=True)
         if dw is not None:
-            _mm_f32(dw[c0:c1], dz.T, h_rows[r0:r1], accumulate=not first)
+            mm_f32(dw[c0:c1], dz.T, h_rows[r0:r1], accumulate=not first)
         if db is not None:
             part = dbp[: triton.cdiv(r1 - r0, bn), : c1 - c0]
             if first:
