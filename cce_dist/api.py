@@ -1,4 +1,5 @@
-"""Public entry points: the eager driver (handshake, plan, dispatch to the autograd Functions).
+"""Public entry points of the one-head losses: each call runs the driver (:mod:`cce_dist.driver`: validate,
+handshake, plan), then its autograd Function.
 
 Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`, shared with the
 compiled path (:mod:`cce_dist.compile`).
@@ -15,168 +16,36 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from . import torch_impl
-from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
-from .backend import Backend
-from .options import (
-    CommonOptions,
-    CrossEntropyOptions,
-    FilterEps,
-    Impl,
-    LogprobOptions,
-    Reduction,
-    handshake_options,
-)
-from .parallel import Comm, Layout, VocabShard, handshake
+from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows
+from .driver import Call, plan_call
+from .options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
+from .parallel import VocabShard
 from .prepare import (
-    Prepared,
-    backend_kwargs,
-    check_target_range,
     cross_entropy_result,
     grad_needs,
     is_dtensor,
     logprob_result,
     prepare_rows,
     resolve_backend,
-    resolve_filter_eps,
 )
 
 Tensor = torch.Tensor
 
 
-# ----------------------------------------------------------------------------------------------
-# the eager driver
-# ----------------------------------------------------------------------------------------------
-
-
-def _plan(
-    hidden,
-    weight,
-    targets,
-    bias,
-    opts: CommonOptions,
-    form: str,
-    extra: tuple[tuple[str, object], ...],
-    *,
-    need_entropy: bool,
-    need_sum: bool,
-) -> tuple[Prepared, Plan]:
-    """Validate (locally, then with the group), flatten and plan: the rows and the :class:`Plan` of one call.
-
-    ``need_entropy`` / ``need_sum``: which optional statistics the output form reads (for the backends that can
-    skip them)."""
-    shard = opts.shard
-    error: BaseException | None = None
-    rows: Prepared | None = None
-    backend: Backend = torch_impl
-    try:
-        prepared = prepare_rows(hidden, weight, targets, bias, opts, check_ids=True)
-        backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
-        rows = prepared
-    except (TypeError, ValueError, RuntimeError) as e:
-        error = e
-
-    if shard is None or shard.world_size == 1:
-        if error is not None:
-            raise error
-        assert rows is not None
-        v_total = weight.shape[0] if shard is None else shard.stop
-        if shard is not None and shard.start != 0:
-            raise ValueError(f"a single-rank VocabShard must start at 0, got start={shard.start}")
-        layout = Layout(vocab_size=v_total, n_tokens=rows.targets.numel(), max_local=weight.shape[0])
-    else:
-        layout, rows = _exchange(shard, error, rows, hidden, weight, bias, opts, form, extra, backend.NAME)
-
-    kw = backend_kwargs(
-        backend,
-        chunk_size=opts.chunk_size,
-        need_entropy=need_entropy,
-        need_sum=need_sum,
-        filter_eps=resolve_filter_eps(opts, rows.compute_dtype),
-        deterministic=opts.deterministic,
+def _call(form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions, extra) -> Call:
+    """The driver's description of a one-head call (cross-entropy or logprobs)."""
+    return Call(
+        form=form,
+        opts=opts,
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        prepare=lambda: prepare_rows(hidden, weight, targets, bias, opts, check_ids=True),
+        resolve=lambda rows: resolve_backend(opts.impl, hidden.device, hidden.shape[-1]),
+        extra=lambda rows: extra,
+        need_entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
+        need_sum=isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing),
     )
-    plan = Plan(
-        backend=backend,
-        compute_dtype=rows.compute_dtype,
-        vocab_start=0 if shard is None else shard.start,
-        vocab_size=layout.vocab_size,
-        comm=Comm(shard, layout),
-        backend_kwargs=kw,
-        # from values every rank agreed on, so the fused schedule's per-chunk collectives line up
-        fused_chunk_tokens=torch_impl.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
-    )
-    return rows, plan
-
-
-def _exchange(
-    shard: VocabShard,
-    error: BaseException | None,
-    rows: Prepared | None,
-    hidden,
-    weight,
-    bias,
-    opts: CommonOptions,
-    form: str,
-    extra: tuple[tuple[str, object], ...],
-    backend_name: str,
-) -> tuple[Layout, Prepared]:
-    """A group of more than one rank: the handshake (or, with ``check=False``, the vocab size alone).
-
-    Raises this rank's ``error`` after telling the others, so none is left waiting in a collective."""
-    sp = shard.sequence_parallel
-    n_local = hidden.shape[0] if (rows is not None and sp) else 0
-    n_tokens = rows.targets.numel() if rows is not None else 0
-    # Everything that decides which collectives run, and with what sizes, must agree; each is named, so a
-    # disagreement names what differs. The resolved implementation too: the torch one forms scalar-loss gradients in
-    # forward with one statistics collective per token chunk, the triton one issues a single one.
-    named = (
-        (("the loss", form),)
-        + handshake_options(opts)
-        + extra
-        + (
-            ("sequence_parallel", sp),
-            ("reduce_hidden_grad", shard.reduce_hidden_grad),
-            ("stats_collective", shard.stats_collective),
-            ("the compute dtype", str(None if rows is None else rows.compute_dtype)),
-            ("which of hidden/weight/bias require grad", grad_needs(hidden, weight, bias)),
-            ("the implementation (torch/triton) that impl= resolved to", backend_name),
-        )
-    )
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    if not shard.check:
-        if error is not None:
-            raise error  # documented: without the handshake a rank-local error can strand the others
-        assert rows is not None
-        layout = _cheap_layout(shard, n_tokens, device)
-        # No handshake, but the global vocab is known now: an id >= V still raises (on this rank), as a
-        # single-device call would, instead of contributing no target logit (loss = lse).
-        check_target_range(rows.targets, opts.ignore_index, layout.vocab_size)
-        return layout, rows
-    # every keyword by name (api.py and distill.py pass their own values): mypy checks the call against handshake's
-    # signature, and tests/test_signatures.py that both callers pass every keyword
-    layout = handshake(
-        shard,
-        error,
-        n_tokens=n_tokens,
-        n_local_tokens=n_local,
-        hidden_dim=hidden.shape[-1] if error is None else 0,
-        options=named,
-        targets=None if rows is None else rows.targets,
-        ignore_index=opts.ignore_index,
-        device=device,
-    )
-    assert rows is not None  # handshake raised this rank's error, if any, on every rank
-    return layout, rows
-
-
-def _cheap_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Layout:
-    """check=False: learn only the global vocab and the largest shard (one tiny all-reduce)."""
-    import torch.distributed as dist
-
-    buf = torch.tensor([shard.stop, shard.local_size], dtype=torch.int64, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
-    v, max_local = (int(x) for x in buf.tolist())
-    return Layout(vocab_size=v, n_tokens=n_tokens, max_local=max_local)
 
 
 def _integrations(hidden, weight, targets, bias, opts):
@@ -197,17 +66,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions) -> 
     wants_grad = any(grad_needs(hidden, weight, bias))
     fused = opts.reduction != "none" and not opts.return_lse and opts.grad_in_forward is not False and wants_grad
     extra = (("whether any of hidden/weight/bias requires grad", wants_grad), ("grad_in_forward (in effect)", fused))
-    rows, plan = _plan(
-        hidden,
-        weight,
-        targets,
-        bias,
-        opts,
-        "cross-entropy",
-        extra,
-        need_entropy=False,
-        need_sum=bool(opts.label_smoothing),
-    )
+    rows, plan = plan_call(_call("cross-entropy", hidden, weight, targets, bias, opts, extra))
     if fused and plan.backend.FUSED_CHUNKING:
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     loss_rows, lse = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
@@ -221,9 +80,7 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
         return compiled_logprobs(hidden, weight, targets, bias, opts)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
-    rows, plan = _plan(
-        hidden, weight, targets, bias, opts, "logprobs", extra, need_entropy=opts.return_entropy, need_sum=False
-    )
+    rows, plan = plan_call(_call("logprobs", hidden, weight, targets, bias, opts, extra))
     lp, ent = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     return logprob_result(lp, ent, rows, opts)
 
@@ -362,21 +219,7 @@ def linear_cross_entropy(
         gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
-    opts = CrossEntropyOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        shift=shift,
-        shard=shard,
-        impl=impl,
-        return_lse=return_lse,
-        chunk_size=chunk_size,
-        grad_in_forward=grad_in_forward,
-        filter_eps=filter_eps,
-        deterministic=deterministic,
-    )
+    opts = CrossEntropyOptions.from_keywords(locals())
     return _cross_entropy(hidden, weight, targets, bias, opts)
 
 
@@ -471,18 +314,7 @@ def linear_logprobs(
         ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions). Differentiable
         once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
-    opts = LogprobOptions(
-        ignore_index=ignore_index,
-        softcap=softcap,
-        shift=shift,
-        shard=shard,
-        impl=impl,
-        chunk_size=chunk_size,
-        filter_eps=filter_eps,
-        deterministic=deterministic,
-        temperature=temperature,
-        return_entropy=return_entropy,
-    )
+    opts = LogprobOptions.from_keywords(locals())
     return _logprobs(hidden, weight, targets, bias, opts)
 
 

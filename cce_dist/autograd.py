@@ -17,32 +17,38 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from . import formulas
 from . import stats as S
-from .backend import Backend
+from .backend import Backend, Capabilities
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
 from .prepare import to_dtype
 from .torch_impl import fused_cross_entropy
 
+B = TypeVar("B", bound=Capabilities)
+
 
 @dataclass(frozen=True)
-class Plan:
-    """Everything a Function needs besides tensors and options, resolved once per call."""
+class Plan(Generic[B]):
+    """Everything a Function needs besides tensors and options, resolved once per call by the driver
+    (:func:`cce_dist.driver.plan_call`)."""
 
-    backend: Backend  # cce_dist.torch_impl or cce_dist.kernels
-    compute_dtype: torch.dtype
+    #: the implementation: a :class:`~cce_dist.backend.Backend` (cce_dist.torch_impl, cce_dist.kernels) or a
+    #: :class:`~cce_dist.backend.DistillBackend` (cce_dist.distill_torch, cce_dist.distill_triton)
+    backend: B
+    compute_dtype: torch.dtype  # the (student's) head's
     vocab_start: int
     vocab_size: int  # global (all shards)
     comm: Comm
     #: ``{"row_stats": {...}, "grads": {...}}``: the backend's keyword options, built once
     #: (:func:`cce_dist.prepare.backend_kwargs`) and never changed after
     backend_kwargs: Mapping[str, Mapping[str, Any]]
-    fused_chunk_tokens: int = 0  # FusedCrossEntropy only: identical on every rank
+    chunk_tokens: int = 0  # tokens per chunk of the chunked schedules: identical on every rank
+    teacher_dtype: torch.dtype | None = None  # distillation: the teacher head's compute dtype
 
 
 def _no_autocast(device: torch.device):
@@ -50,7 +56,7 @@ def _no_autocast(device: torch.device):
 
 
 def _forward_stats(
-    plan: Plan, hidden, weight, bias, targets, softcap, temperature
+    plan: Plan[Backend], hidden, weight, bias, targets, softcap, temperature
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
     (``h``), and the row statistics reduced over the group."""
@@ -94,7 +100,7 @@ def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     return bool(need_h), bool(need_w), bool(need_b and bias is not None)
 
 
-def _backward_grads(ctx, plan: Plan, saved, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
+def _backward_grads(ctx, plan: Plan[Backend], saved, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
     """``saved = (h, weight, bias, targets)``: read from ``ctx.saved_tensors`` once by the caller (non-reentrant
     checkpointing allows each saved tensor to be unpacked only once)."""
     h, weight, bias, targets = saved
@@ -133,14 +139,14 @@ def finish_grads(comm: Comm, dh, dw, db, hidden_dtype: torch.dtype, weight, bias
     )
 
 
-def _save(ctx, plan: Plan, opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
+def save(ctx, plan: Plan[Any], opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
     """Save ``(h, weight, bias, targets, valid, *row tensors)`` and the call's plan, options and hidden dtype."""
     ctx.save_for_backward(*tensors)
     ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden_dtype
 
 
-def _saved(ctx):
-    """``(plan, opts, (h, weight, bias, targets), valid, (row tensors))`` as :func:`_save` left them, after refusing
+def saved_inputs(ctx):
+    """``(plan, opts, (h, weight, bias, targets), valid, (row tensors))`` as :func:`save` left them, after refusing
     a second-order backward. ``ctx.saved_tensors`` is read once (non-reentrant checkpointing unpacks each saved
     tensor only once)."""
     refuse_second_order()
@@ -152,7 +158,7 @@ class CrossEntropyRows(torch.autograd.Function):
     """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N])``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions):
         with _no_autocast(hidden.device):
             h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, 1.0)
             valid = targets != opts.ignore_index
@@ -160,12 +166,12 @@ class CrossEntropyRows(torch.autograd.Function):
                 stats, valid, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
             )
             residual = formulas.lse_residual(stats)
-        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
+        save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
         return loss, lse
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
-        plan, opts, saved, valid, (lse, residual) = _saved(ctx)
+        plan, opts, saved, valid, (lse, residual) = saved_inputs(ctx)
         coef = formulas.cross_entropy_coef(
             lse,
             valid,
@@ -183,17 +189,17 @@ class LogprobRows(torch.autograd.Function):
     """``(hidden, weight, bias, targets) -> (logprob float32 [N], entropy float32 [N])``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: LogprobOptions):
         with _no_autocast(hidden.device):
             h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, opts.temperature)
             valid = targets != opts.ignore_index
             lp, ent = formulas.logprob_rows(stats, valid)
-        _save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, stats)
+        save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, stats)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        plan, opts, saved, valid, (stats,) = _saved(ctx)
+        plan, opts, saved, valid, (stats,) = saved_inputs(ctx)
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
         return _backward_grads(ctx, plan, saved, coef, S.lse(stats), opts.softcap, opts.temperature) + (
             None,
@@ -202,26 +208,45 @@ class LogprobRows(torch.autograd.Function):
         )
 
 
-class FusedCrossEntropy(torch.autograd.Function):
+class HoldsGradients(torch.autograd.Function):
+    """The backward of every Function whose gradients are formed in forward and held by :func:`hold`."""
+
+    @staticmethod
+    def backward(ctx, *upstream):
+        refuse_second_order()
+        return ctx.held.release(upstream[0]) + (None,) * ctx.n_other_inputs
+
+
+def hold(ctx, grads, tensors, comm: Comm, valid: torch.Tensor, scale, any_valid, what: str) -> None:
+    """Hold ``grads = (d_hidden, d_weight, d_bias)`` of the Function's first three inputs ``tensors`` on ``ctx``
+    (:class:`HeldGradients`): ``scale`` and ``any_valid`` as there, the rows of ``d_hidden`` that count from
+    ``valid bool [N]`` (this rank's under sequence parallelism), ``what`` names the loss in the one-backward error."""
+    dh = grads[0]
+    ctx.held = HeldGradients(
+        grads,
+        tensors,
+        scale=scale,
+        valid_rows=None if dh is None else comm.local_rows(valid),
+        any_valid=any_valid,
+        what=f"{what} formed its gradients in forward (grad_in_forward)",
+    )
+    ctx.n_other_inputs = len(ctx.needs_input_grad) - len(grads)
+
+
+class FusedCrossEntropy(HoldsGradients):
     """Scalar loss (``reduction`` sum or mean) with gradients formed in forward (torch impl).
 
     Forward forms the gradients for an upstream gradient of a power of two near 1 per valid row (``unit`` times the
     mean's ``1 / n_valid``), so a logit gradient rounded to a low-precision compute dtype keeps its bits instead of
-    sinking into that dtype's subnormals at ``1 / n_valid``. It holds them (``ctx.grads``) until backward, which
-    multiplies them in float32 by the upstream scalar divided by ``unit`` and rounds once to each tensor's dtype:
-
-    - float16 tensors: held as their float32 accumulators. fp16's narrow exponent range would overflow or flush a
-      gradient scaled by a loss scale (GradScaler's ``(loss * 2**k).backward()``), so the scale is applied before
-      the rounding, never to an fp16 gradient or as an fp16 number.
-    - bfloat16 / float32 tensors: held in their own dtype at the ``unit`` scale (a bf16 head holds half the bytes
-      of float32). bf16 has float32's exponent range, and ``g / unit`` is a power of two for the scales GradScaler
-      uses, so multiplying the bf16 value is exact: the same result as rounding the scaled float32 value once.
+    sinking into that dtype's subnormals at ``1 / n_valid``. :class:`HeldGradients` holds them until backward, which
+    multiplies them in float32 by the upstream scalar divided by ``unit`` (a power of two for the scales GradScaler
+    uses, so multiplying a bf16 value is exact) and rounds once to each tensor's dtype.
 
     The graph supports a single backward (a second raises).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions):
         need_h, need_w, need_b = needed_input_grads(ctx, bias)
         comm = plan.comm
         with _no_autocast(hidden.device):
@@ -248,7 +273,7 @@ class FusedCrossEntropy(torch.autograd.Function):
                 rows_fn=lambda st, v: formulas.cross_entropy_rows(st, v, **kw),
                 vocab_start=plan.vocab_start,
                 softcap=opts.softcap,
-                chunk_tokens_=plan.fused_chunk_tokens,
+                chunk_tokens_=plan.chunk_tokens,
                 need_hidden=need_h,
                 need_weight=need_w,
                 need_bias=need_b,
@@ -258,45 +283,74 @@ class FusedCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.grads = [None if t is None else t.to(_held_dtype(dtype)) for t, dtype in zip((dh, dw, db), ctx.grad_dtypes)]
-        ctx.inv_unit = 1.0 / unit
-        # An ignored row's held gradient is 0 and must stay 0 for any upstream value (0 * inf is NaN): the hidden
-        # rows this rank's dh holds that are valid, and whether any row is (dW and db are sums over valid rows).
-        ctx.valid_rows = None if dh is None else comm.local_rows(valid).unsqueeze(-1)
-        ctx.any_valid = n_valid > 0
+        hold(ctx, (dh, dw, db), (hidden, weight, bias), comm, valid, 1.0 / unit, n_valid > 0, "this loss")
         return loss
 
-    @staticmethod
-    def backward(ctx, g):
-        refuse_second_order()
-        grads = ctx.grads
+
+class HeldGradients:
+    """Gradients formed in forward, held until backward applies the upstream gradient: the one place that does so,
+    for every loss whose gradients are formed in forward (:class:`FusedCrossEntropy`,
+    :class:`cce_dist.distill_autograd.FusedDistill`).
+
+    The gradients arrive float32, formed for an upstream gradient of 1 per counted row times ``1 / scale``; backward
+    multiplies them in float32 by the upstream value times ``scale`` (a Python number, or a 0-dim float32 tensor
+    where forming it on the host would read the device) and rounds once to each tensor's dtype. Held as:
+
+    - float16 / float32 tensors: float32. fp16's narrow exponent range would overflow or flush a gradient scaled by a
+      loss scale (GradScaler's ``(loss * 2**k).backward()``), so the scale is applied before the rounding, never to
+      an fp16 gradient or as an fp16 number.
+    - bfloat16 tensors: bfloat16 (float32's exponent range; half the bytes), multiplied in float32.
+
+    A gradient that the plain program gives as exactly 0 whatever the upstream value stays exactly 0 (selected, not
+    multiplied: ``0 * inf`` is NaN): the hidden rows that do not count (``valid_rows``, this rank's rows of
+    ``d_hidden``) and everything when no row counts (``any_valid``: a bool, or a 0-dim bool tensor on the device).
+    Released once: a second backward raises, naming ``what`` and the remedy (``grad_in_forward=False``)."""
+
+    def __init__(
+        self,
+        grads: tuple[torch.Tensor | None, ...],
+        tensors: tuple[torch.Tensor | None, ...],
+        *,
+        scale: float | torch.Tensor,
+        valid_rows: torch.Tensor | None,
+        any_valid: bool | torch.Tensor,
+        what: str,
+    ) -> None:
+        self.dtypes = [None if t is None else t.dtype for t in tensors]
+        self.grads: list[torch.Tensor | None] | None = [
+            None if g is None or dt is None else g.to(held_dtype(dt)) for g, dt in zip(grads, self.dtypes)
+        ]
+        self.scale, self.valid_rows, self.any_valid, self.what = scale, valid_rows, any_valid, what
+
+    def release(self, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The gradients for the upstream gradient ``g`` (a scalar tensor), each in its tensor's dtype."""
+        grads = self.grads
         if grads is None:
             raise RuntimeError(
-                "cce_dist: this loss was computed with grad_in_forward=True, whose gradients can be used by one "
-                "backward only; pass grad_in_forward=False to backward through the graph more than once"
+                f"cce_dist: {self.what}, whose gradients can be used by one backward only; pass "
+                "grad_in_forward=False to backward through the graph more than once"
             )
-        ctx.grads = None
-        factor = g.to(torch.float32) * ctx.inv_unit  # float32: a loss scale of 2**16 is inf as an fp16 number
-        if not ctx.any_valid:  # every row ignored: the gradients are 0 whatever g is (inf * 0 would be NaN)
+        self.grads = None
+        factor = g.to(torch.float32) * self.scale  # float32: a loss scale of 2**16 is inf as an fp16 number
+        if isinstance(self.any_valid, torch.Tensor):  # no row counts: 0 whatever g is (inf * 0 would be NaN)
+            factor = torch.where(self.any_valid, factor, torch.zeros_like(factor))
+        elif not self.any_valid:
             factor = torch.zeros_like(factor)
-        out = []
-        for i, (t, dtype) in enumerate(zip(grads, ctx.grad_dtypes)):
-            if t is None:
+        out: list[torch.Tensor | None] = []
+        for i, (t, dtype) in enumerate(zip(grads, self.dtypes)):
+            if t is None or dtype is None:
                 out.append(None)
                 continue
-            if t.dtype == torch.float32:  # ours (an accumulator): scale in place, then round once to the dtype
-                scaled = t.mul_(factor)
-            else:  # held in the tensor's own dtype: multiply in float32, round once
-                scaled = t.float() * factor
-            if i == 0 and ctx.any_valid:  # dh: an ignored row stays exactly 0 (the plain program's value)
-                scaled = torch.where(ctx.valid_rows, scaled, torch.zeros_like(scaled))
+            # float32 (ours, an accumulator): scaled in place; bfloat16: multiplied in float32; then rounded once
+            scaled = t.mul_(factor) if t.dtype == torch.float32 else t.float() * factor
+            if i == 0 and self.valid_rows is not None:  # d_hidden: a row that does not count stays exactly 0
+                scaled = torch.where(self.valid_rows.unsqueeze(-1), scaled, torch.zeros_like(scaled))
             out.append(scaled.to(dtype))
-        ctx.valid_rows = None
-        return tuple(out) + (None, None, None)
+        self.valid_rows = None
+        return tuple(out)
 
 
-def _held_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype :class:`FusedCrossEntropy` holds a gradient in from forward to backward: bfloat16 for bfloat16
+def held_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :class:`HeldGradients` holds a gradient in from forward to backward: bfloat16 for bfloat16
     tensors, else float32 (float16: its exponent range; float32: its own; float64: as accumulated)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

@@ -59,7 +59,8 @@ forms ``p = exp(z - lse)`` from the lse it is given and still gets the exact gra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -69,16 +70,16 @@ NUM_COEFS = 4
 
 
 @runtime_checkable
-class Backend(Protocol):
-    """What :mod:`cce_dist.autograd`, :mod:`cce_dist.compile` and :mod:`cce_dist.prepare` may rely on.
-
-    Capabilities (module-level constants of each implementation):
+class Capabilities(Protocol):
+    """The capability constants every implementation (cross-entropy or distillation) declares; the driver reads
+    them (:func:`cce_dist.prepare.backend_kwargs`), never which implementation it is.
 
     NAME                 "torch" | "triton": which implementation ``impl=`` resolved to (the TP handshake
                          compares it: the two issue different statistics collectives for a scalar loss)
-    FUSED_CHUNKING       the scalar-loss schedule of :func:`cce_dist.torch_impl.fused_cross_entropy`
-                         (gradients formed in forward, per-token-chunk statistics collectives) computes
-                         this implementation's numbers, so ``grad_in_forward`` may use it
+    FUSED_CHUNKING       the scalar-loss schedule that forms the gradients in forward computes this
+                         implementation's numbers, so ``grad_in_forward`` may use it (cross-entropy:
+                         :func:`cce_dist.torch_impl.fused_cross_entropy`, with per-token-chunk statistics
+                         collectives; distillation: ``forward(row_grad=...)``)
     SUPPORTS_FILTERING   ``grads`` honours ``filter_eps`` (else it is not passed: always exact)
     DETERMINISTIC_OPTION ``grads`` honours ``deterministic`` (else it is not passed: always deterministic)
     ROW_STATS_OPTIONS    the extra keyword options ``row_stats`` accepts (e.g. ``chunk_size``)
@@ -91,6 +92,12 @@ class Backend(Protocol):
     DETERMINISTIC_OPTION: bool
     ROW_STATS_OPTIONS: frozenset[str]
     GRADS_OPTIONS: frozenset[str]
+
+
+@runtime_checkable
+class Backend(Capabilities, Protocol):
+    """What :mod:`cce_dist.autograd`, :mod:`cce_dist.compile` and :mod:`cce_dist.prepare` may rely on: the
+    :class:`Capabilities` and the two functions of the module docstring."""
 
     def row_stats(
         self,
@@ -120,5 +127,51 @@ class Backend(Protocol):
         need_weight: bool,
         need_bias: bool,
         filter_eps: float | None = None,
+        deterministic: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...
+
+
+@runtime_checkable
+class DistillBackend(Capabilities, Protocol):
+    """A distillation implementation (:mod:`cce_dist.distill_torch`, :mod:`cce_dist.distill_triton`) for one vocab
+    shard of two heads, free of autograd and of torch.distributed (the caller passes the collectives as callbacks).
+
+    ``Heads(hs, ws, bs, ht, wt, bt, targets, valid, vocab_start, opts)``: one call's tensors in each head's compute
+    dtype, flattened to rows (``hs [N, D_s]``, ``ws [V_local, D_s]``, ``ht [N, D_t]``, ``wt [V_local, D_t]``,
+    biases ``[V_local]`` or None, ``targets int64 [N]``, ``valid bool [N]``).
+
+    ``forward(heads, step, reduce_stats, reduce_rows, row_grad=None, need=(False,) * 3, **grads_options)
+    -> (loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``: the per-row loss (0 where not
+    valid), the global statistics and per-row sums its gradient needs, and with ``row_grad`` the student's float32
+    gradients of ``row_grad * sum_i loss_i`` over the valid rows (``dh`` this shard's partial sum; None where not in
+    ``need`` = hidden, weight, bias). ``step``: tokens per chunk, identical on every rank of a group.
+
+    ``grads(heads, step, stats, rows, g, need, **grads_options) -> (dh, dw, db)``: float32 gradients of
+    ``sum_i g_i * loss_i`` recomputed from the saved ``stats`` / ``rows``, no collective.
+
+    ``grads_options``: ``deterministic`` where ``DETERMINISTIC_OPTION`` (else not passed)."""
+
+    @property
+    def Heads(self) -> Callable[..., Any]: ...  # noqa: N802 (a class each implementation defines)
+
+    def forward(
+        self,
+        heads: Any,
+        step: int,
+        reduce_stats: Callable[[Tensor], Tensor],
+        reduce_rows: Callable[[Tensor], Tensor],
+        row_grad: float | Tensor | None = None,
+        need: tuple[bool, bool, bool] = (False, False, False),
+        deterministic: bool = False,
+    ) -> tuple[Any, ...]: ...
+
+    def grads(
+        self,
+        heads: Any,
+        step: int,
+        stats: Tensor,
+        rows: Tensor,
+        g: Tensor,
+        need: tuple[bool, bool, bool],
         deterministic: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...

@@ -9,46 +9,37 @@ tensors hold this rank's slice of the first dimension and ``targets`` the whole 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .distill_autograd import DistillPlan, DistillRows, FusedDistill
-from .options import DistillationOptions, Divergence, Impl, Reduction, handshake_options
-from .parallel import Comm, Layout, VocabShard, handshake
-from .prepare import check_target_range, compute_dtype, grad_needs, resolve_backend, resolve_deterministic
-from .torch_impl import chunk_tokens
+from .distill_autograd import DistillRows, FusedDistill
+from .driver import Call, plan_call
+from .options import DistillationOptions, Divergence, Impl, Reduction
+from .parallel import VocabShard
+from .prepare import (
+    Prepared,
+    as_rows,
+    check_head,
+    check_target_range,
+    check_targets,
+    compute_dtype,
+    grad_needs,
+    known_vocab,
+    reduce_loss,
+    resolve_distill_backend,
+    token_shape,
+)
 
 Tensor = torch.Tensor
 
 
-def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
-    """Local checks (every rank, before any collective); errors name the argument."""
-    named = (
-        ("student_hidden", sh),
-        ("student_weight", sw),
-        ("teacher_hidden", th),
-        ("teacher_weight", tw),
-        ("student_bias", sb),
-        ("teacher_bias", tb),
-    )
-    for name, t in named:
-        if t is None and name.endswith("bias"):
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.device != sh.device:
-            raise ValueError(f"{name} is on {t.device} but student_hidden is on {sh.device}")
-    for who, h, w, b in (("student", sh, sw, sb), ("teacher", th, tw, tb)):
-        if w.dim() != 2:
-            raise ValueError(f"{who}_weight must be 2-D [V_local, D], got shape {tuple(w.shape)}")
-        if h.dim() < 1 or h.shape[-1] != w.shape[1]:
-            raise ValueError(
-                f"{who}_hidden's last dimension ({tuple(h.shape)}) must equal {who}_weight.shape[1] ({w.shape[1]})"
-            )
-        if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[0]):
-            raise ValueError(f"{who}_bias must have shape [{w.shape[0]}] ({who}_weight.shape[0]), got {tuple(b.shape)}")
+def _prepare(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> Prepared:
+    """Local checks (every rank, before any collective; errors name the argument) and the rows: the student's
+    hidden ``[n, D_s]``, the teacher's (detached) ``[n, D_t]``, the target ids ``int64 [N]`` (``ignore_index``
+    everywhere without targets, with every row counted)."""
+    check_head(sh, sw, sb, opts.shard, prefix="student_")
+    check_head(th, tw, tb, opts.shard, prefix="teacher_", ref=("student_hidden", sh))
     if tw.shape[0] != sw.shape[0]:
         raise ValueError(
             f"teacher_weight.shape[0] ({tw.shape[0]}) must equal student_weight.shape[0] "
@@ -60,156 +51,73 @@ def _check(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> None:
             f"{tuple(sh.shape[:-1])} (one teacher row per student row)"
         )
     shard = opts.shard
-    if shard is not None and sw.shape[0] != shard.local_size:
-        raise ValueError(
-            f"student_weight.shape[0] and teacher_weight.shape[0] ({sw.shape[0]}) must equal the shard "
-            f"size stop - start = {shard.local_size}"
-        )
-    sp = shard is not None and shard.sequence_parallel and shard.world_size > 1
-    if sp and sh.dim() < 2:
+    if shard is not None and shard.sequence_parallel and shard.world_size > 1 and sh.dim() < 2:
         raise ValueError("sequence_parallel needs student_hidden/teacher_hidden [n/P, ..., D]")
+    shape = token_shape(sh, shard)
     if targets is None:
         if opts.hard_label_weight > 0:
             raise ValueError(
                 f"hard_label_weight={opts.hard_label_weight} needs targets (the ids of the CE term); "
                 "pass targets or hard_label_weight=0"
             )
-        return
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a torch.Tensor or None, got {type(targets).__name__}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor of class ids, got dtype {targets.dtype}")
-    if targets.device != sh.device:
-        raise ValueError(f"targets is on {targets.device} but student_hidden is on {sh.device}")
-    want = _token_shape(sh, shard)
-    if tuple(targets.shape) != want:
-        raise ValueError(
-            f"targets must have shape {want} (student_hidden.shape[:-1]"
-            f"{', times tp_size along dim 0 under sequence parallelism' if sp else ''}), "
-            f"got {tuple(targets.shape)}"
-        )
-
-
-def _token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple:
-    shape = tuple(hidden.shape[:-1])
-    if shard is not None and shard.sequence_parallel and shard.world_size > 1:
-        shape = (shape[0] * shard.world_size,) + shape[1:]
-    return shape
-
-
-def _resolve_impl(opts: DistillationOptions, sh: Tensor, th: Tensor) -> str:
-    """``"torch"`` or ``"triton"`` for ``opts.impl`` (``"auto"``: torch, on every device: the Triton
-    kernels have been checked in Triton's interpreter and compiled for GPU targets, not yet timed on
-    one). Raises RuntimeError (naming ``impl``) where the kernels cannot run."""
-    if opts.impl != "triton":
-        return "torch"
-    # a zero hidden size runs the torch implementation (after the same availability checks)
-    return resolve_backend("triton", sh.device, min(sh.shape[-1], th.shape[-1])).NAME
+        n = math.prod(shape)
+        t = torch.full((n,), opts.ignore_index, dtype=torch.long, device=sh.device)
+        valid = torch.ones(n, dtype=torch.bool, device=sh.device)
+    else:
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets must be a torch.Tensor or None, got {type(targets).__name__}")
+        check_targets(targets, sh, shard, hidden_name="student_hidden")
+        t = targets.to(torch.int64).reshape(-1)
+        check_target_range(t, opts.ignore_index, known_vocab(sw, shard))
+        valid = t != opts.ignore_index
+    return Prepared(
+        as_rows(sh),
+        t,
+        shape,
+        compute_dtype(sh, sw),
+        valid=valid,
+        teacher_hidden=as_rows(th.detach()),
+        teacher_dtype=compute_dtype(th, tw),
+    )
 
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
-    shard = opts.shard
-    error: BaseException | None = None
-    t = None
-    impl = "torch"
-    try:
-        _check(sh, sw, th, tw, targets, sb, tb, opts)
-        impl = _resolve_impl(opts, sh, th)
-        local_vocab = sw.shape[0] if shard is None else (shard.stop if shard.world_size == 1 else None)
-        if targets is not None:
-            check_target_range(targets, opts.ignore_index, local_vocab)
-            t = targets.long()
-    except (TypeError, ValueError, RuntimeError) as e:
-        error = e
-    wants_grad = any(grad_needs(sh, sw, sb))
-    fused = opts.reduction != "none" and opts.grad_in_forward is not False and wants_grad
-    s_dtype = compute_dtype(sh, sw) if error is None else None
-    t_dtype = compute_dtype(th, tw) if error is None else None
-    if shard is None or shard.world_size == 1:
-        if error is not None:
-            raise error
-        if shard is not None and shard.start != 0:
-            raise ValueError(f"a single-rank VocabShard must start at 0, got start={shard.start}")
-        n_tokens = math.prod(sh.shape[:-1])
-        layout = Layout(vocab_size=sw.shape[0], n_tokens=n_tokens, max_local=sw.shape[0])
-        shape = tuple(sh.shape[:-1])
-    else:
-        sp = shard.sequence_parallel
-        shape = _token_shape(sh, shard) if error is None else ()
-        n_tokens = math.prod(shape) if error is None else 0
-        n_local = sh.shape[0] if (error is None and sp) else 0
-        # Everything that decides which collectives run, and with what sizes, must agree; each is named (the options
-        # after their dataclass fields), so a disagreement names what differs.
-        named = (
-            (("the loss", "distillation"),)
-            + handshake_options(opts)
-            + (
-                ("the implementation (torch/triton) that impl= resolved to", impl),  # per token chunk or per call
-                ("sequence_parallel", sp),
-                ("reduce_hidden_grad", shard.reduce_hidden_grad),
-                ("stats_collective", shard.stats_collective),
-                ("the student's compute dtype", str(s_dtype)),
-                ("the teacher's compute dtype", str(t_dtype)),
-                (
-                    "the teacher's hidden size (teacher_hidden.shape[-1] = teacher_weight.shape[1])",
-                    None if error is not None else th.shape[-1],
-                ),
-                ("whether targets are given", targets is None),
-                ("whether student_bias is given", sb is None),
-                ("whether teacher_bias is given", tb is None),
-                ("which of student_hidden/student_weight/student_bias require grad", grad_needs(sh, sw, sb)),
-                ("grad_in_forward (in effect)", fused),
-            )
+    fused = opts.reduction != "none" and opts.grad_in_forward is not False and any(grad_needs(sh, sw, sb))
+
+    def extra(rows: Prepared | None) -> tuple[tuple[str, Any], ...]:
+        """What only distillation sends (besides its options): the teacher head's geometry, which arguments are
+        given, and whether the gradients are formed in forward."""
+        return (
+            ("the teacher's compute dtype", str(None if rows is None else rows.teacher_dtype)),
+            (
+                "the teacher's hidden size (teacher_hidden.shape[-1] = teacher_weight.shape[1])",
+                None if rows is None else th.shape[-1],
+            ),
+            ("whether targets are given", targets is None),
+            ("whether student_bias is given", sb is None),
+            ("whether teacher_bias is given", tb is None),
+            ("grad_in_forward (in effect)", fused),
         )
-        if not shard.check:
-            if error is not None:
-                raise error  # documented: without the handshake a rank-local error can strand the others
-            raise ValueError(
-                "linear_distillation needs VocabShard(check=True): its handshake checks that every rank "
-                "holds the same vocabulary rows of both heads"
-            )
-        # every keyword by name (api.py and distill.py pass their own values): mypy checks the call against handshake's
-        # signature, and tests/test_signatures.py that both callers pass every keyword
-        layout = handshake(
-            shard,
-            error,
-            n_tokens=n_tokens,
-            n_local_tokens=n_local,
-            hidden_dim=sh.shape[-1] if error is None else 0,
-            options=named,
-            targets=t,
-            ignore_index=opts.ignore_index,
-            device=sh.device if isinstance(sh, Tensor) else torch.device("cpu"),
-        )
-    assert s_dtype is not None and t_dtype is not None  # an input error was raised above
-    n = layout.n_tokens
-    if t is None:
-        t1 = torch.full((n,), -1, dtype=torch.long, device=sh.device)
-        valid = torch.ones(n, dtype=torch.bool, device=sh.device)
-    else:
-        t1 = t.reshape(-1)
-        valid = t1 != opts.ignore_index
-    opts = opts.replace(deterministic=resolve_deterministic(opts.deterministic))  # read when the loss is called
-    plan = DistillPlan(
-        student_dtype=s_dtype,
-        teacher_dtype=t_dtype,
-        vocab_start=0 if shard is None else shard.start,
-        comm=Comm(shard, layout),
-        step=chunk_tokens(n, layout.max_local, opts.chunk_size),
-        impl=impl,
+
+    call = Call(
+        form="distillation",
+        opts=opts,
+        hidden=sh,
+        weight=sw,
+        bias=sb,
+        prepare=lambda: _prepare(sh, sw, th, tw, targets, sb, tb, opts),
+        # a zero hidden size (either head) runs the torch implementation
+        resolve=lambda rows: resolve_distill_backend(opts.impl, sh.device, min(sh.shape[-1], th.shape[-1])),
+        extra=extra,
+        head="student_",
     )
-    # not reshape(-1, d): with a zero hidden size the row count cannot be inferred from 0 elements
-    h2 = sh.reshape(math.prod(sh.shape[:-1]), sh.shape[-1])
-    th2 = th.detach().reshape(math.prod(th.shape[:-1]), th.shape[-1])
+    rows, plan = plan_call(call)
     tw, tb = tw.detach(), None if tb is None else tb.detach()
-    if fused:
-        return FusedDistill.apply(h2, sw, sb, th2, tw, tb, t1, valid, plan, opts)
-    rows = DistillRows.apply(h2, sw, sb, th2, tw, tb, t1, valid, plan, opts)
-    if opts.reduction == "none":
-        return rows.reshape(shape)
-    if opts.reduction == "sum":
-        return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
+    args = (rows.hidden, sw, sb, rows.targets, rows.valid, rows.teacher_hidden, tw, tb, plan, opts)
+    if fused and plan.backend.FUSED_CHUNKING:
+        return FusedDistill.apply(*args)
+    assert rows.valid is not None  # distillation's rows always carry it
+    return reduce_loss(DistillRows.apply(*args), rows.valid, opts.reduction, rows.shape)
 
 
 def linear_distillation(
@@ -291,21 +199,7 @@ def linear_distillation(
         Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias`` only, each
         in its own dtype.
     """
-    opts = DistillationOptions(
-        divergence=divergence,
-        beta=beta,
-        temperature=temperature,
-        scale_by_temperature_squared=scale_by_temperature_squared,
-        hard_label_weight=hard_label_weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        softcap=softcap,
-        shard=shard,
-        impl=impl,
-        chunk_size=chunk_size,
-        grad_in_forward=grad_in_forward,
-        deterministic=deterministic,
-    )
+    opts = DistillationOptions.from_keywords(locals())
     return _distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts
     )

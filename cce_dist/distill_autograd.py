@@ -3,53 +3,36 @@
 - :class:`DistillRows`: per-row loss ``float32 [N]``; backward recomputes each chunk of both heads
   from the saved global statistics (any upstream gradient; ``reduction="none"`` uses it).
 - :class:`FusedDistill`: scalar (sum/mean) loss whose student gradients are formed during forward
-  while the chunk's logits are held (the teacher's logits are computed once, not twice).
+  while the chunk's logits are held (the teacher's logits are computed once, not twice), held by
+  :class:`cce_dist.autograd.HeldGradients` as the cross-entropy's are.
 
-The teacher's tensors arrive detached: they never receive a gradient.
+Both run the implementation the driver resolved (``plan.backend``, a :class:`cce_dist.backend.DistillBackend`), and
+save, refuse second-order gradients and finish the gradients with the cross-entropy Functions' helpers. The teacher's
+tensors arrive detached: they never receive a gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import distill_torch as DT
-from . import distill_triton as DTR
-from .autograd import finish_grads, refuse_second_order
+from .autograd import HoldsGradients, Plan, finish_grads, hold, needed_input_grads, save, saved_inputs
+from .backend import DistillBackend
 from .options import DistillationOptions
-from .parallel import Comm
+from .prepare import to_dtype
+
+DistillPlan = Plan[DistillBackend]
 
 
-@dataclass(frozen=True)
-class DistillPlan:
-    """What the Functions need besides tensors and options, resolved once per call."""
-
-    student_dtype: torch.dtype
-    teacher_dtype: torch.dtype
-    vocab_start: int
-    comm: Comm
-    step: int  # tokens per chunk, identical on every rank of a group
-    impl: str = "torch"  # "torch" (cce_dist.distill_torch) or "triton" (cce_dist.distill_triton)
-
-    @property
-    def module(self):
-        """The implementation: both modules have ``Heads``, ``forward`` and ``grads`` with one contract."""
-        return DTR if self.impl == "triton" else DT
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
-def _heads(plan: DistillPlan, opts, hs, ws, bs, ht, wt, bt, targets, valid) -> DT.Heads:
-    return plan.module.Heads(
+def _heads(plan: DistillPlan, opts: DistillationOptions, hs, ws, bs, ht, wt, bt, targets, valid):
+    """The backend's ``Heads``: each head in its compute dtype (the hidden states are cast already)."""
+    assert plan.teacher_dtype is not None  # the driver sets it for distillation
+    return plan.backend.Heads(
         hs,
-        ws.to(plan.student_dtype),
-        _cast(bs, plan.student_dtype),
+        ws.to(plan.compute_dtype),
+        to_dtype(bs, plan.compute_dtype),
         ht,
         wt.to(plan.teacher_dtype),
-        _cast(bt, plan.teacher_dtype),
+        to_dtype(bt, plan.teacher_dtype),
         targets,
         valid,
         plan.vocab_start,
@@ -57,132 +40,74 @@ def _heads(plan: DistillPlan, opts, hs, ws, bs, ht, wt, bt, targets, valid) -> D
     )
 
 
-def _held_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype :class:`FusedDistill` holds a gradient in from forward to backward: bfloat16 for bfloat16
-    tensors, else float32 (float16: its exponent range; float32: its own; float64: as accumulated)."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
 def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
+    """Both heads' hidden states in their compute dtypes, gathered over the group under sequence parallelism."""
+    assert plan.teacher_dtype is not None
     comm = plan.comm
-    hs = comm.gather_tokens(student_hidden.to(plan.student_dtype))
-    ht = comm.gather_tokens(teacher_hidden.to(plan.teacher_dtype))
-    return hs, ht
+    return comm.gather_tokens(student_hidden.to(plan.compute_dtype)), comm.gather_tokens(
+        teacher_hidden.to(plan.teacher_dtype)
+    )
 
 
-# DistillRows and FusedDistill take the same positional inputs (autograd.Function.apply has no keywords), so their
-# forward signatures repeat the one list.
+# DistillRows and FusedDistill take the same positional inputs (autograd.Function.apply has no keywords): the
+# student's hidden, weight and bias first, as every Function here (cce_dist.autograd.needed_input_grads reads them).
 class DistillRows(torch.autograd.Function):
-    """``(h_s [n, D_s], W_s [V_local, D_s], b_s, h_t [n, D_t], W_t, b_t, targets [N], valid [N])``
+    """``(h_s [n, D_s], W_s [V_local, D_s], b_s, targets [N], valid [N], h_t [n, D_t], W_t, b_t)``
     ``-> loss float32 [N]``."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        bias,
-        t_hidden,
-        t_weight,
-        t_bias,
-        targets,
-        valid,
-        plan: DistillPlan,
-        opts: DistillationOptions,
-    ):
+    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: DistillPlan, opts):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            loss, stats, rows = plan.module.forward(heads, plan.step, plan.comm.reduce_stats, plan.comm.reduce_sum)[:3]
-        ctx.save_for_backward(hs, weight, bias, ht, t_weight, t_bias, targets, valid, stats, rows)
-        ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden.dtype
+            comm = plan.comm
+            loss, stats, rows = plan.backend.forward(heads, plan.chunk_tokens, comm.reduce_stats, comm.reduce_sum)[:3]
+        save(ctx, plan, opts, hidden.dtype, hs, weight, bias, targets, valid, ht, t_weight, t_bias, stats, rows)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        refuse_second_order()  # create_graph=True: the recomputing chunk loop is not differentiable
-        plan = ctx.plan
-        hs, weight, bias, ht, t_weight, t_bias, targets, valid, stats, rows = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need = (need_h, need_w, need_b and bias is not None)
+        plan, opts, (hs, weight, bias, targets), valid, (ht, t_weight, t_bias, stats, rows) = saved_inputs(ctx)
+        need = needed_input_grads(ctx, bias)
         with torch.autocast(device_type=hs.device.type, enabled=False):
-            heads = _heads(plan, ctx.opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            dh, dw, db = plan.module.grads(heads, plan.step, stats, rows, g, need)
+            heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
+            dh, dw, db = plan.backend.grads(
+                heads, plan.chunk_tokens, stats, rows, g, need, **plan.backend_kwargs.get("grads", {})
+            )
             return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias) + (None,) * 7
 
 
-class FusedDistill(torch.autograd.Function):
+class FusedDistill(HoldsGradients):
     """Scalar loss (``reduction`` sum or mean) with the student's gradients formed in forward.
 
-    Forward forms the gradients of the *sum* of the counted rows' losses (an upstream gradient of 1 per
-    counted row, whatever the reduction: a logit gradient rounded to a float16 compute dtype at the mean's
-    ``1 / n_valid`` would sink into its subnormals) and holds them (``ctx.grads``) until backward, which
-    multiplies them in float32 by the upstream scalar times the reduction's scale (``1 / n_valid`` on the
-    device for ``mean``) and rounds once to each tensor's dtype, as :class:`cce_dist.autograd.FusedCrossEntropy`:
-
-    - float16 / float32 tensors: held as float32 (fp16's range would overflow under a loss scale of 2**16
-      or flush the small entries; the scale is never applied to an fp16 number);
-    - bfloat16 tensors: held in bfloat16 (float32's exponent range; half the bytes), scaled in float32.
-
-    An entry that is exactly 0 at unit upstream gradient (an ignored row's hidden gradient; everything when no
-    row counts) stays exactly 0 whatever the upstream value (selected, not multiplied: ``0 * inf`` is NaN),
-    as the materialized program's ``torch.where`` over the ignored rows gives. The graph supports a single
-    backward (a second raises), and no ``create_graph=True`` (raises).
+    Forward forms the gradients of the *sum* of the counted rows' losses (an upstream gradient of 1 per counted
+    row, whatever the reduction: a logit gradient rounded to a float16 compute dtype at the mean's ``1 / n_valid``
+    would sink into its subnormals); :class:`~cce_dist.autograd.HeldGradients` holds them until backward applies the
+    upstream scalar times the reduction's scale (``1 / n_valid``, formed on the device: the count is not read back
+    to the host, which would stall it on every call). The graph supports a single backward (a second raises), and no
+    ``create_graph=True`` (raises).
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        bias,
-        t_hidden,
-        t_weight,
-        t_bias,
-        targets,
-        valid,
-        plan: DistillPlan,
-        opts: DistillationOptions,
-    ):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need = (need_h, need_w, need_b and bias is not None)
+    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: DistillPlan, opts):
+        need = needed_input_grads(ctx, bias)
         comm = plan.comm
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            scale: float | torch.Tensor = 1.0
-            if opts.reduction == "mean":  # 1 / n_valid on the device (from float64, as the Python number was): the
-                # count is not read back to the host, which would stall it on every call
-                scale = (1.0 / valid.sum().clamp(min=1).double()).float()
-            loss_rows, _, _, dh, dw, db = plan.module.forward(
-                heads, plan.step, comm.reduce_stats, comm.reduce_sum, row_grad=1.0, need=need
+            loss_rows, _, _, dh, dw, db = plan.backend.forward(
+                heads,
+                plan.chunk_tokens,
+                comm.reduce_stats,
+                comm.reduce_sum,
+                row_grad=1.0,
+                need=need,
+                **plan.backend_kwargs.get("grads", {}),
             )
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)
+            count = valid.sum()
+            scale = (1.0 / count.clamp(min=1).double()).float() if opts.reduction == "mean" else 1.0
             loss = loss_rows.sum() * scale
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.grads = [None if t is None else t.to(_held_dtype(dt)) for t, dt in zip((dh, dw, db), ctx.grad_dtypes)]
-        ctx.scale = scale
+        hold(ctx, (dh, dw, db), (hidden, weight, bias), comm, valid, scale, count > 0, "this distillation loss")
         return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        refuse_second_order()
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "cce_dist: this distillation loss formed its gradients in forward (grad_in_forward), so it can be "
-                "used by one backward only; pass grad_in_forward=False to backward through it more than once"
-            )
-        ctx.grads = None
-        # float32 (a loss scale of 2**16 is inf as an fp16 number); also for g == 1: asking would read it back
-        factor = g.to(torch.float32) * ctx.scale
-        out = []
-        for t, dtype in zip(grads, ctx.grad_dtypes):
-            if t is None:
-                out.append(None)
-                continue
-            zero = t == 0  # before scaling: 0 * inf (loss / 0 with no counted row) must stay 0, not NaN
-            t = t.mul_(factor) if t.dtype == torch.float32 else t.float().mul_(factor)
-            out.append(t.masked_fill_(zero, 0.0).to(dtype))
-        return tuple(out) + (None,) * 7

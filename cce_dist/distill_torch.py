@@ -69,6 +69,14 @@ from .torch_impl import (
 
 Tensor = torch.Tensor
 
+# the capabilities of cce_dist.backend.DistillBackend
+NAME = "torch"
+FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients while the chunk's logits are held
+SUPPORTS_FILTERING = False
+DETERMINISTIC_OPTION = False  # always deterministic
+ROW_STATS_OPTIONS: frozenset[str] = frozenset()
+GRADS_OPTIONS: frozenset[str] = frozenset()
+
 
 @dataclass
 class Heads:
@@ -135,11 +143,9 @@ def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
 
 
 def _normalizers(m: Tensor, glob: Tensor) -> tuple[Tensor, Tensor]:
-    """``(c, l)`` ``float32 [n]`` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
-    NUM_STATS]`` (max M, sum S): ``p = exp(z - m) * c`` and ``log p = (z - m) + l``, with ``c = exp(m - M) / S``
-    and ``l = (m - M) - log S`` (never through ``lse``: see the module docstring)."""
-    d = m - glob[:, S.MAX]
-    return torch.exp(d) / glob[:, S.SUMEXP], d - torch.log(glob[:, S.SUMEXP])
+    """:func:`cce_dist.stats.normalizers` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
+    NUM_STATS]``: ``p = exp(z - m) * c``, ``log p = (z - m) + l`` (never through ``lse``: see the module docstring)."""
+    return S.normalizers(m, glob)
 
 
 def _rows_from(glob: Tensor, rows: Tensor, opts: DistillationOptions) -> Tensor:
@@ -296,12 +302,14 @@ def forward(
     reduce_rows: Callable[[Tensor], Tensor],
     row_grad: float | Tensor | None = None,
     need: tuple[bool, bool, bool] = (False, False, False),
+    deterministic: bool = False,
 ):
     """All chunks: ``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``.
 
     ``row_grad`` (the scalar-loss schedule): also the student's gradients (float32, ``need`` =
     hidden, weight, bias) of ``row_grad * sum_i loss_i`` over valid rows, formed from the held
-    logits. ``step`` tokens per chunk must be the same on every rank of a group.
+    logits. ``step`` tokens per chunk must be the same on every rank of a group. Always deterministic (the
+    flag is the protocol's, not read).
     """
     n = heads.hs.shape[0]
     dev = heads.hs.device
@@ -325,7 +333,15 @@ def forward(
     return (loss, stats, rows) + tuple(out)
 
 
-def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
+def grads(
+    heads: Heads,
+    step: int,
+    stats: Tensor,
+    rows: Tensor,
+    g: Tensor,
+    need: tuple[bool, bool, bool],
+    deterministic: bool = False,
+):
     """The student's float32 gradients ``(dh partial, dw, db)`` of ``sum_i g_i * loss_i`` (no collective):
     each chunk is recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`."""
     acc = GradAccumulator(heads.hs, heads.ws, *need, heads.round_s)

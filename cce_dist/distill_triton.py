@@ -14,7 +14,6 @@ No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` pass
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -23,6 +22,14 @@ from . import distill_torch as DT
 from . import stats as S
 
 Tensor = torch.Tensor
+
+# the capabilities of cce_dist.backend.DistillBackend
+NAME = "triton"
+FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients after its statistics pass
+SUPPORTS_FILTERING = False
+DETERMINISTIC_OPTION = True  # the default gradients use float atomics
+ROW_STATS_OPTIONS: frozenset[str] = frozenset()
+GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
 class Heads(DT.Heads):
@@ -34,9 +41,11 @@ class Heads(DT.Heads):
 
 
 def _kd():
-    """:mod:`cce_dist.kernels.distill`, imported on first use:
-    importing cce_dist does not import triton."""
-    return importlib.import_module(".kernels.distill", __package__)
+    """:mod:`cce_dist.kernels.distill` (triton), imported where a kernel is launched: importing this module (the
+    driver does, to resolve ``impl``) does not import triton."""
+    from .kernels import distill
+
+    return distill
 
 
 def _geometry(heads: Heads) -> dict:
@@ -48,7 +57,7 @@ def _tensors(heads: Heads) -> tuple:
     return heads.hs, heads.ws, heads.bs, heads.ht, heads.wt, heads.bt
 
 
-def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
+def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool], deterministic: bool):
     o = heads.opts
     soft_coef = o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / o.temperature
     return _kd().grads(
@@ -65,13 +74,13 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
         need_hidden=need[0],
         need_weight=need[1],
         need_bias=need[2],
-        deterministic=o.deterministic,
+        deterministic=deterministic,
         **_geometry(heads),
     )
 
 
-# forward and grads take distill_torch's arguments (test_distill_triton_takes_distill_torchs_arguments in
-# tests/test_signatures.py compares the signatures): distill_autograd calls either module the same way.
+# forward and grads: the cce_dist.backend.DistillBackend protocol, as distill_torch (mypy checks both modules against it
+# where cce_dist.prepare.resolve_distill_backend returns them).
 def forward(
     heads: Heads,
     step: int,
@@ -79,6 +88,7 @@ def forward(
     reduce_rows: Callable[[Tensor], Tensor],
     row_grad: float | Tensor | None = None,
     need: tuple[bool, bool, bool] = (False, False, False),
+    deterministic: bool = False,
 ):
     """``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)`` as
     :func:`cce_dist.distill_torch.forward` (``step`` is not used: one pass over all tokens, so one
@@ -90,7 +100,7 @@ def forward(
     if n == 0:  # the same on every rank of a group (the token count is global): no collective
         none = torch.zeros(0, dtype=torch.float32, device=dev)
         stats, rows = none.new_zeros(0, k, S.NUM_STATS), none.new_zeros(0, heads.n_rows)
-        out = _grads(heads, stats, rows, none, need) if grads_wanted else (None, None, None)
+        out = _grads(heads, stats, rows, none, need, deterministic) if grads_wanted else (None, None, None)
         return (none, stats, rows) + tuple(out)
     kd = _kd()
     cross = None if o.divergence == "jsd" else o.divergence  # a KL's sums come from the statistics pass
@@ -98,22 +108,32 @@ def forward(
         *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, cross=cross, **_geometry(heads)
     )  # [k, n, NUM_STATS]
     stats = reduce_stats(local.reshape(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS).transpose(0, 1)
-    norm = kd.norms(stats)
     if cross is not None:
-        local_rows = kd.cross_rows(slabs, norm, cross=cross)
+        local_rows = kd.cross_rows(slabs, stats, cross=cross)
     else:  # the JSD's log M needs both heads' global statistics: a second pass over the tiles
-        local_rows = kd.rows(*_tensors(heads), norm, divergence=o.divergence, beta=o.beta, **_geometry(heads))
+        local_rows = kd.rows(
+            *_tensors(heads), kd.norms(stats), divergence=o.divergence, beta=o.beta, **_geometry(heads)
+        )
     rows = reduce_rows(local_rows)
     loss = DT.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None
     if row_grad is not None and grads_wanted:
         g = torch.where(heads.valid, row_grad, 0.0).float()
-        dh, dw, db = _grads(heads, stats, rows, g, need)
+        dh, dw, db = _grads(heads, stats, rows, g, need, deterministic)
     return loss, stats, rows, dh, dw, db
 
 
-def grads(heads: Heads, step: int, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[bool, bool, bool]):
+def grads(
+    heads: Heads,
+    step: int,
+    stats: Tensor,
+    rows: Tensor,
+    g: Tensor,
+    need: tuple[bool, bool, bool],
+    deterministic: bool = False,
+):
     """The student's float32 gradients ``(dh partial, dw, db)`` of ``sum_i g_i * loss_i`` (no
-    collective), recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`."""
+    collective), recomputed from the saved global ``stats`` and ``rows`` of :func:`forward`;
+    ``deterministic``: without float atomics (bitwise repeatable)."""
     g = torch.where(heads.valid, g.float(), torch.zeros_like(g, dtype=torch.float32))
-    return _grads(heads, stats, rows, g, need)
+    return _grads(heads, stats, rows, g, need, deterministic)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     from .parallel import VocabShard
@@ -152,40 +153,45 @@ def _check_softcap(softcap: float | None) -> float | None:
     return float(softcap)
 
 
+def _check_int_option(name: str, x) -> None:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {x!r}")
+
+
+def _check_flag(name: str, x, *, optional: bool = False) -> None:
+    if not (isinstance(x, bool) or (optional and x is None)):
+        raise TypeError(f"{name} must be {'None or ' if optional else ''}a bool, got {x!r}")
+
+
+def _check_reduction(reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
 @dataclass(frozen=True)
-class CommonOptions:
-    """The fields every entry point shares (documented on :class:`CrossEntropyOptions`)."""
+class LossOptions:
+    """The fields every loss has, and their checks (each field documented on :class:`CrossEntropyOptions`):
+    :mod:`cce_dist.driver` reads these of any loss's options."""
 
     ignore_index: int = -100
-    softcap: float | None = None
-    shift: bool | int = False
     shard: VocabShard | None = None
     impl: Impl = "auto"
     chunk_size: int | None = None
-    filter_eps: FilterEps = None
     deterministic: bool = False
 
     #: the fields holding numbers (:func:`coerce_numbers`); subclasses extend it
-    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = ("ignore_index", "softcap", "shift", "chunk_size", "filter_eps")
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = ("ignore_index", "chunk_size")
 
     def __post_init__(self) -> None:
         coerce_numbers(self, self.NUMBER_FIELDS)
-        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        object.__setattr__(self, "softcap", _check_softcap(self.softcap))
-        object.__setattr__(self, "shift", _check_shift(self.shift))
+        _check_int_option("ignore_index", self.ignore_index)
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if self.chunk_size is not None and (
             not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
         ):
             raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
-        if (
-            self.filter_eps is not None
-            and self.filter_eps != "auto"
-            and not (isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0)
-        ):
-            raise ValueError(f"filter_eps must be None, 'auto' or a number >= 0, got {self.filter_eps!r}")
+        _check_flag("deterministic", self.deterministic)
         if self.shard is not None:
             from .parallel import VocabShard
 
@@ -194,6 +200,34 @@ class CommonOptions:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_keywords(cls, keywords: Mapping[str, Any]):
+        """The options from an entry point's keywords (its ``locals()``): every field by its name, so the entry point
+        forwards no hand-written list (tests/test_signatures.py checks that its keywords are exactly the fields)."""
+        return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class CommonOptions(LossOptions):
+    """The fields the one-head losses (cross-entropy, logprobs) share (documented on :class:`CrossEntropyOptions`)."""
+
+    softcap: float | None = None
+    shift: bool | int = False
+    filter_eps: FilterEps = None
+
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = LossOptions.NUMBER_FIELDS + ("softcap", "shift", "filter_eps")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "softcap", _check_softcap(self.softcap))
+        object.__setattr__(self, "shift", _check_shift(self.shift))
+        if (
+            self.filter_eps is not None
+            and self.filter_eps != "auto"
+            and not (isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0)
+        ):
+            raise ValueError(f"filter_eps must be None, 'auto' or a number >= 0, got {self.filter_eps!r}")
 
 
 #: the former name, kept for code that imported it
@@ -233,8 +267,9 @@ class CrossEntropyOptions(CommonOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        _check_reduction(self.reduction)
+        _check_flag("return_lse", self.return_lse)
+        _check_flag("grad_in_forward", self.grad_in_forward, optional=True)
         if not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
         if not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0.0 or not _finite(self.z_loss):
@@ -260,6 +295,7 @@ class LogprobOptions(CommonOptions):
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not _finite(t):
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        _check_flag("return_entropy", self.return_entropy)
 
 
 Divergence = Literal["kl", "reverse_kl", "jsd"]
@@ -278,7 +314,7 @@ def _check_number(name: str, x, lo: float, hi: float, lo_open: bool = False, hi_
 
 
 @dataclass(frozen=True)
-class DistillationOptions:
+class DistillationOptions(LossOptions):
     """Options of :func:`cce_dist.linear_distillation` (knowledge distillation from two heads).
 
     divergence        "kl" = KL(p_teacher || p_student) (forward, Hinton et al.), "reverse_kl" =
@@ -315,27 +351,19 @@ class DistillationOptions:
     temperature: float = 1.0
     scale_by_temperature_squared: bool = True
     hard_label_weight: float = 0.0
-    ignore_index: int = -100
     reduction: Reduction = "mean"
     softcap: float | tuple | None = None
-    shard: VocabShard | None = None
-    impl: Impl = "auto"
-    chunk_size: int | None = None
     grad_in_forward: bool | None = None
-    deterministic: bool = False
 
-    #: the fields holding numbers (:func:`coerce_numbers`)
-    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = (
+    NUMBER_FIELDS: ClassVar[tuple[str, ...]] = LossOptions.NUMBER_FIELDS + (
         "beta",
         "temperature",
         "hard_label_weight",
-        "ignore_index",
         "softcap",
-        "chunk_size",
     )
 
     def __post_init__(self) -> None:
-        coerce_numbers(self, self.NUMBER_FIELDS)
+        super().__post_init__()
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         object.__setattr__(self, "beta", _check_number("beta", self.beta, 0.0, 1.0, lo_open=True, hi_open=True))
@@ -347,12 +375,8 @@ class DistillationOptions:
         object.__setattr__(
             self, "hard_label_weight", _check_number("hard_label_weight", self.hard_label_weight, 0.0, 1.0)
         )
-        if not isinstance(self.scale_by_temperature_squared, bool):
-            raise TypeError(f"scale_by_temperature_squared must be a bool, got {self.scale_by_temperature_squared!r}")
-        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        _check_flag("scale_by_temperature_squared", self.scale_by_temperature_squared)
+        _check_reduction(self.reduction)
         caps = self.softcap if isinstance(self.softcap, tuple) else (self.softcap, self.softcap)
         if len(caps) != 2:
             raise ValueError(f"softcap must be None, a number or a pair (student, teacher), got {self.softcap!r}")
@@ -363,21 +387,7 @@ class DistillationOptions:
                 f"softcap must be None, a finite number > 0 or a pair (student, teacher) of those, got {self.softcap!r}"
             ) from None
         object.__setattr__(self, "softcap", caps)
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.chunk_size is not None and (
-            not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0
-        ):
-            raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
-        if self.grad_in_forward not in (None, True, False):
-            raise TypeError(f"grad_in_forward must be None or a bool, got {self.grad_in_forward!r}")
-        if not isinstance(self.deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {self.deterministic!r}")
-        if self.shard is not None:
-            from .parallel import VocabShard
-
-            if not isinstance(self.shard, VocabShard):
-                raise TypeError(f"shard must be a cce_dist.VocabShard or None, got {type(self.shard).__name__}")
+        _check_flag("grad_in_forward", self.grad_in_forward, optional=True)
 
     @property
     def student_softcap(self) -> float | None:
@@ -394,6 +404,3 @@ class DistillationOptions:
         """The factor of the divergence in the loss: ``(1 - w) * (T**2 if scaled else 1)``."""
         t2 = self.temperature**2 if self.scale_by_temperature_squared else 1.0
         return (1.0 - self.hard_label_weight) * t2
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)

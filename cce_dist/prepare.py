@@ -18,31 +18,42 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import torch_impl
-from .backend import Backend
-from .options import CommonOptions, CrossEntropyOptions, LogprobOptions
+from . import distill_torch, torch_impl
+from .backend import Backend, DistillBackend
+from .options import CommonOptions, CrossEntropyOptions, LogprobOptions, Reduction
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .parallel import VocabShard
 
 __all__ = [
     "Prepared",
+    "as_rows",
     "backend_kwargs",
+    "check_head",
     "check_target_range",
+    "check_targets",
     "check_tensors",
     "compute_dtype",
     "cross_entropy_result",
     "grad_needs",
     "is_dtensor",
+    "known_vocab",
     "logprob_result",
     "prepare_rows",
+    "reduce_loss",
     "resolve_backend",
     "resolve_deterministic",
+    "resolve_distill_backend",
     "resolve_filter_eps",
+    "row_mask",
     "shift_targets",
     "to_dtype",
+    "token_shape",
     "valid_id_range",
 ]
 
@@ -52,50 +63,70 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
-def check_tensors(hidden: Any, weight: Any, targets: Any, bias: Any, opts: CommonOptions) -> None:
-    """Types, dtypes, shapes and devices of the arguments; raises TypeError / ValueError naming the argument."""
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+def check_head(
+    hidden: Any, weight: Any, bias: Any, shard: VocabShard | None, *, prefix: str = "", ref: Any = None
+) -> None:
+    """One head's ``hidden [..., D]``, ``weight [V_local, D]`` and ``bias [V_local]`` (or None): types, dtypes, shapes,
+    devices and the shard's size; raises TypeError / ValueError naming the argument (``prefix`` + ``hidden`` etc.).
+
+    ``ref``: ``(name, tensor)`` whose device every tensor must share (default: this head's hidden)."""
+    h, w, b = (prefix + name for name in ("hidden", "weight", "bias"))
+    for name, t in ((h, hidden), (w, weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if not hidden.is_floating_point():
-        raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
-    if bias is not None and not bias.is_floating_point():
-        raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor of class ids, got dtype {targets.dtype}")
+        raise TypeError(f"{b} must be a torch.Tensor or None, got {type(bias).__name__}")
+    for name, t in ((h, hidden), (w, weight), (b, bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V_local, D], got shape {tuple(weight.shape)}")
+        raise ValueError(f"{w} must be 2-D [V_local, D], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension [..., D]")
+        raise ValueError(f"{h} must have at least one dimension [..., D]")
     if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})")
+        raise ValueError(f"{h}'s last dimension ({hidden.shape[-1]}) must equal {w}.shape[1] ({weight.shape[1]})")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must have shape [{weight.shape[0]}] (weight.shape[0]), got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    shard = opts.shard
+        raise ValueError(f"{b} must have shape [{weight.shape[0]}] ({w}.shape[0]), got {tuple(bias.shape)}")
+    ref_name, ref_t = ref if ref is not None else (h, hidden)
+    for name, t in ((h, hidden), (w, weight), (b, bias)):
+        if t is not None and t.device != ref_t.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref_t.device}")
     if shard is not None and weight.shape[0] != shard.local_size:
         raise ValueError(
-            f"weight.shape[0] ({weight.shape[0]}) must equal the shard size stop - start = {shard.local_size}"
+            f"{w}.shape[0] ({weight.shape[0]}) must equal the shard size stop - start = {shard.local_size}"
         )
+
+
+def token_shape(hidden: Tensor, shard: VocabShard | None) -> tuple[int, ...]:
+    """The shape of the targets and of every per-token output: ``hidden.shape[:-1]``, with the first dimension
+    gathered (times the group size) under sequence parallelism."""
+    shape = tuple(hidden.shape[:-1])
     if shard is not None and shard.sequence_parallel and shard.world_size > 1:
-        if hidden.dim() < 2 or targets.dim() < 1:
-            raise ValueError("sequence_parallel needs hidden [n/P, ..., D] and targets [n, ...]")
-        want = (hidden.shape[0] * shard.world_size,) + tuple(hidden.shape[1:-1])
-        if tuple(targets.shape) != want:
-            raise ValueError(
-                f"under sequence parallelism targets must have shape {want} (hidden.shape[0] * tp_size, "
-                f"...), got {tuple(targets.shape)}"
-            )
-    elif tuple(hidden.shape[:-1]) != tuple(targets.shape):
-        raise ValueError(
-            f"hidden.shape[:-1] {tuple(hidden.shape[:-1])} must equal targets.shape {tuple(targets.shape)}"
-        )
+        shape = (shape[0] * shard.world_size,) + shape[1:]
+    return shape
+
+
+def check_targets(targets: Any, hidden: Tensor, shard: VocabShard | None, *, hidden_name: str = "hidden") -> None:
+    """``targets [...]``: an integer tensor on ``hidden``'s device of :func:`token_shape`; raises naming it."""
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor of class ids, got dtype {targets.dtype}")
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but {hidden_name} is on {hidden.device}")
+    sp = shard is not None and shard.sequence_parallel and shard.world_size > 1
+    if sp and hidden.dim() < 2:
+        raise ValueError(f"sequence_parallel needs {hidden_name} [n/P, ..., D] and targets [n, ...]")
+    want = token_shape(hidden, shard)
+    if tuple(targets.shape) != want:
+        where = f"{hidden_name}.shape[:-1]" + (", times tp_size along dim 0 under sequence parallelism" if sp else "")
+        raise ValueError(f"targets must have shape {want} ({where}), got {tuple(targets.shape)}")
+
+
+def check_tensors(hidden: Any, weight: Any, targets: Any, bias: Any, opts: CommonOptions) -> None:
+    """Types, dtypes, shapes and devices of the arguments; raises TypeError / ValueError naming the argument."""
+    check_head(hidden, weight, bias, opts.shard)
+    check_targets(targets, hidden, opts.shard)
 
 
 def valid_id_range(targets: Tensor, ignore_index: int) -> tuple[int, int] | None:
@@ -176,12 +207,33 @@ def to_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class Prepared(NamedTuple):
-    """A call's inputs as rows: what both the eager and the compiled path hand to the loss."""
+    """A call's inputs as rows: what the driver, the autograd Functions and the compiled path hand on.
+
+    ``valid`` is None where it is ``targets != ignore_index`` (formed where it is needed); distillation without
+    targets passes all-True (every row counts, and its targets are never read). ``teacher_hidden`` /
+    ``teacher_dtype``: distillation's second head (None otherwise)."""
 
     hidden: Tensor  # [N_local, D]: a view of the caller's hidden (never copied)
     targets: Tensor  # int64 [N], shifted
     shape: tuple[int, ...]  # the targets' shape: the shape of every per-token output
     compute_dtype: torch.dtype
+    valid: Tensor | None = None  # bool [N]
+    teacher_hidden: Tensor | None = None  # [N_local, D_t], detached
+    teacher_dtype: torch.dtype | None = None
+
+
+def as_rows(hidden: Tensor) -> Tensor:
+    """``hidden [..., D]`` as a ``[N, D]`` view (not ``reshape(-1, D)``: with ``D == 0`` the row count cannot be
+    inferred from 0 elements)."""
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
+
+
+def known_vocab(weight: Tensor, shard: VocabShard | None) -> int | None:
+    """The vocabulary size this rank knows without a collective: the head's rows without a shard, ``shard.stop``
+    for a one-rank group, None (unknown until the handshake) for a larger group."""
+    if shard is None:
+        return weight.shape[0]
+    return shard.stop if shard.world_size == 1 else None
 
 
 def prepare_rows(
@@ -195,15 +247,10 @@ def prepare_rows(
     """
     check_tensors(hidden, weight, targets, bias, opts)
     t = targets.to(torch.int64)  # any integer dtype -> int64 ids, before any comparison with ignore_index
-    if check_ids:
-        shard = opts.shard
-        known_vocab = weight.shape[0] if shard is None else (shard.stop if shard.world_size == 1 else None)
-        check_target_range(t, opts.ignore_index, known_vocab)  # before the shift drops the first ids
+    if check_ids:  # before the shift drops the first ids
+        check_target_range(t, opts.ignore_index, known_vocab(weight, opts.shard))
     t = shift_targets(t, opts.shift, opts.ignore_index)
-    d = hidden.shape[-1]
-    # not reshape(-1, d): with d == 0 the row count cannot be inferred from 0 elements
-    rows = hidden.reshape(math.prod(hidden.shape[:-1]), d)
-    return Prepared(rows, t.reshape(-1), tuple(targets.shape), compute_dtype(hidden, weight))
+    return Prepared(as_rows(hidden), t.reshape(-1), tuple(targets.shape), compute_dtype(hidden, weight))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +302,18 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
     return kernels
 
 
+def resolve_distill_backend(impl: str, device: torch.device, hidden_dim: int) -> DistillBackend:
+    """The distillation implementation for ``impl``: :mod:`cce_dist.distill_triton` where ``impl="triton"`` resolves
+    to the kernels (with its errors where they cannot run), else :mod:`cce_dist.distill_torch`. ``"auto"`` takes the
+    torch implementation on every device: the distillation kernels have been checked in Triton's interpreter and
+    compiled for GPU targets, not yet timed on one. ``hidden_dim``: the smaller head's hidden size."""
+    if impl != "triton" or resolve_backend(impl, device, hidden_dim) is torch_impl:
+        return distill_torch
+    from . import distill_triton
+
+    return distill_triton
+
+
 def resolve_deterministic(requested: bool) -> bool:
     """Deterministic when asked, or under torch.use_deterministic_algorithms (read when the loss is called)."""
     return bool(requested) or torch.are_deterministic_algorithms_enabled()
@@ -300,17 +359,26 @@ def backend_kwargs(
 # ----------------------------------------------------------------------------------------------
 
 
+def reduce_loss(loss_rows: Tensor, valid: Tensor, reduction: Reduction, shape: tuple[int, ...]) -> Tensor:
+    """The per-row loss ``float32 [N]`` reduced as every loss reduces it: ``mean`` over the counted rows (``valid``;
+    0, not NaN, when none counts), ``sum``, or ``none`` (``shape``)."""
+    if reduction == "none":
+        return loss_rows.reshape(shape)
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.sum() / valid.sum().clamp(min=1)
+
+
+def row_mask(rows: Prepared, ignore_index: int) -> Tensor:
+    """``bool [N]``: which rows count (``rows.valid``, else the targets that are not ``ignore_index``)."""
+    return rows.valid if rows.valid is not None else rows.targets != ignore_index
+
+
 def cross_entropy_result(
     loss_rows: Tensor, lse: Tensor | None, rows: Prepared, opts: CrossEntropyOptions
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The reduced loss (``mean`` over non-ignored rows, 0 when all are ignored; ``sum``; ``none``: targets'
-    shape), and with ``return_lse`` the lse in the targets' shape."""
-    if opts.reduction == "none":
-        loss = loss_rows.reshape(rows.shape)
-    elif opts.reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows.sum() / (rows.targets != opts.ignore_index).sum().clamp(min=1)
+    """The reduced loss (:func:`reduce_loss`), and with ``return_lse`` the lse in the targets' shape."""
+    loss = reduce_loss(loss_rows, row_mask(rows, opts.ignore_index), opts.reduction, rows.shape)
     if opts.return_lse:
         assert lse is not None, "return_lse needs the lse rows"
         return loss, lse.reshape(rows.shape)

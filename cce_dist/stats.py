@@ -86,6 +86,22 @@ def lse(stats: torch.Tensor) -> torch.Tensor:
     return stats[:, MAX] + torch.log(stats[:, SUMEXP])
 
 
+def normalizers(local_max: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c, l)`` ``float32 [..., N]``: how a slice whose row max is ``local_max [..., N]`` turns its
+    ``exp(z - local_max)`` into probabilities, ``p = exp(z - local_max) * c``, and its ``z - local_max`` into
+    log-probabilities, ``log p = (z - local_max) + l``, given the row's global statistics ``stats [N, NUM_STATS]``
+    (max ``M``, sum ``S``): ``c = exp(local_max - M) / S`` and ``l = (local_max - M) - log S``.
+
+    Never through ``lse = M + log S``, which float32 rounds at ulp(|lse|): an absolute error in every ``log p`` and a
+    relative one in every ``p``. ``-inf``-safe: a slice with no finite logit (``local_max = -inf``: empty, or every
+    token masked by a ``-inf`` bias) gets ``c = 0`` and ``l = -inf``, so it adds exactly 0 to every sum over ``p``
+    (``-inf - M`` is NaN where the whole row is masked: there is no distribution)."""
+    d = local_max - stats[:, MAX]
+    empty = torch.isneginf(local_max)
+    c = torch.where(empty, torch.zeros_like(d), torch.exp(d) / stats[:, SUMEXP])
+    return c, torch.where(empty, float("-inf"), d - torch.log(stats[:, SUMEXP]))
+
+
 def mean_logit(stats: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """mean_j z_j over a vocabulary of ``vocab_size`` entries, ``float32 [N]`` (never overflows)."""
     return (stats[:, SUM] / vocab_size) / SUM_SCALE

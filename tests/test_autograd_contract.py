@@ -309,7 +309,7 @@ def test_fused_holds_gradients_in_their_own_dtype_except_fp16(dtype_name):
     t[3] = -100
     h, w, b = (x.clone().requires_grad_(True) for x in (h0, w0, b0))
     loss = objective("mean", h, w, t, b, impl="torch")  # a scalar loss: the gradients are formed in forward
-    held = loss.grad_fn.grads  # the FusedCrossEntropy node holds the gradients formed in forward
+    held = loss.grad_fn.held.grads  # the FusedCrossEntropy node holds the gradients formed in forward (HeldGradients)
     want = [torch.float32 if dt == torch.float16 else dt for dt in (hdt, wdt, wdt)]
     assert [x.dtype for x in held] == want
     held_bytes = sum(x.numel() * x.element_size() for x in held)

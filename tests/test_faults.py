@@ -195,7 +195,7 @@ LOCAL_FAULTS = [
     LocalFault(
         "hidden_rows_one_rank",
         bad=_hidden(lambda H: H[:11]),
-        raises=_raise(r"hidden.shape\[:-1\] \(11,\) must equal targets.shape \(12,\)", OTHERS),
+        raises=_raise(r"targets must have shape \(11,\) \(hidden.shape\[:-1\]\), got \(12,\)", OTHERS),
     ),
     LocalFault(
         "weight_rows_one_rank",

@@ -935,7 +935,7 @@ FAULTS = [
     Fault(
         "hidden_tokens_one_rank",
         bad=_hidden(lambda c: c.H[:, :11]),  # 22 hidden rows for 24 targets
-        **_own(r"hidden.shape\[:-1\] \(2, 11\) must equal targets.shape \(2, 12\)"),
+        **_own(r"targets must have shape \(2, 11\) \(hidden.shape\[:-1\]\), got \(2, 12\)"),
     ),
     Fault(
         "hidden_dim_one_rank",
@@ -975,7 +975,9 @@ FAULTS = [
         "sp_local_tokens_one_rank",
         every=_sequence_parallel,
         bad=_one_more_local_token,
-        **_own(r"under sequence parallelism targets must have shape"),
+        **_own(
+            r"targets must have shape .* \(hidden.shape\[:-1\], times tp_size along dim 0 under sequence parallelism\)"
+        ),
     ),
 ]
 FAULT_BY_NAME = {f.name: f for f in FAULTS}

@@ -238,15 +238,20 @@ def test_logit_tile_calls_pass_its_parameters_in_order():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# distillation: the torch and Triton modules distill_autograd calls alike
+# distillation: the torch and Triton modules satisfy one protocol
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fn", ["forward", "grads"])
-def test_distill_triton_takes_distill_torchs_arguments(fn):
+def test_distill_implementations_take_the_protocols_arguments(fn):
+    """Both distillation implementations take exactly the DistillBackend protocol's arguments (mypy checks the types
+    where cce_dist.prepare.resolve_distill_backend returns them)."""
     from cce_dist import distill_triton
+    from cce_dist.backend import DistillBackend
 
-    assert _params(getattr(distill_triton, fn)) == _params(getattr(distill_torch, fn))
+    protocol = _params(getattr(DistillBackend, fn), drop_self=True)
+    assert _params(getattr(distill_torch, fn)) == protocol
+    assert _params(getattr(distill_triton, fn)) == protocol
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,19 +268,47 @@ def _calls(path: Path, name: str):
     ]
 
 
-def test_handshake_callers_pass_every_keyword():
-    """api.py and distill.py call parallel.handshake with every keyword by name; the keywords have no defaults, so
-    mypy also reports a missing one."""
+def test_every_loss_reaches_the_handshake_through_the_driver():
+    """One call of parallel.handshake in the package, in driver.py (every loss runs the driver), with every keyword by
+    name; the keywords have no defaults, so mypy also reports a missing one."""
     sig = inspect.signature(parallel.handshake)
     keywords = [p.name for p in sig.parameters.values() if p.kind == KEYWORD_ONLY]
     assert all(sig.parameters[k].default is inspect.Parameter.empty for k in keywords)
-    n_calls = 0
-    for module in ("api.py", "distill.py"):
-        for call in _calls(PKG / module, "handshake"):
-            assert [k.arg for k in call.keywords] == keywords, module
-            assert len(call.args) == len(sig.parameters) - len(keywords), module
-            n_calls += 1
-    assert n_calls == 2
+    sites = {p.name: _calls(p, "handshake") for p in PKG.rglob("*.py")}
+    sites = {name: calls for name, calls in sites.items() if calls}
+    assert list(sites) == ["driver.py"] and len(sites["driver.py"]) == 1, sites
+    (call,) = sites["driver.py"]
+    assert [k.arg for k in call.keywords] == keywords
+    assert len(call.args) == len(sig.parameters) - len(keywords)
+
+
+def test_every_loss_runs_the_driver():
+    """linear_cross_entropy, linear_logprobs and linear_distillation all plan through driver.plan_call (spied), and
+    no other module builds a Plan."""
+    import torch
+
+    from cce_dist import driver, linear_cross_entropy, linear_distillation, linear_logprobs
+
+    forms = []
+    real = driver.plan_call
+
+    def spy(call):
+        forms.append(call.form)
+        return real(call)
+
+    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    for mod in (api, distill):
+        assert mod.plan_call is real
+    try:
+        api.plan_call = distill.plan_call = spy
+        linear_cross_entropy(h, w, t)
+        linear_logprobs(h, w, t)
+        linear_distillation(h, w, h, w, t)
+    finally:
+        api.plan_call = distill.plan_call = real
+    assert forms == ["cross-entropy", "logprobs", "distillation"]
+    builders = sorted(p.name for p in PKG.rglob("*.py") if _calls(p, "Plan"))
+    assert builders == ["driver.py"], builders
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from cce_dist.runtime import device_guard
-from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats
+from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats, normalizers
 
 from . import config as _config
 from ._common import (
@@ -1190,22 +1190,20 @@ def norms(stats):
     return torch.stack([stats[..., MAX], torch.log(stats[..., SUMEXP])], -1).to(torch.float32).contiguous()
 
 
-def cross_rows(slabs, norm, *, cross):
+def cross_rows(slabs, stats, *, cross):
     """This shard's forward (``cross="kl"``) or reverse KL sums ``float32 [N, 1]`` from the split
-    ``slabs`` of :func:`stats` and the global ``norm float32 [N, >= 2, 2]`` (:func:`norms`; student,
+    ``slabs`` of :func:`stats` and the global statistics ``stats float32 [N, >= 2, NUM_STATS]`` (student,
     teacher): ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + (l_a - l_b) s_a)`` with
-    ``l = (m - M) - log S`` (the log-probability at the split max ``m``) and ``c_a = exp(l_a)``, a the
-    weighting head (teacher for kl)."""
+    ``(c, l)`` the split max's :func:`cce_dist.stats.normalizers` (``p = exp(z - m) c``, ``log p = (z - m) + l``),
+    a the weighting head (teacher for kl)."""
     ia = {"kl": 1, "reverse_kl": 0}[cross]
     ib = 1 - ia
-    m_a, s_a, m_b = slabs[:, ia, :, MAX], slabs[:, ia, :, SUMEXP], slabs[:, ib, :, MAX]
-    x = slabs[:, 0, :, CROSS_COL]
-    l_a = (m_a - norm[:, ia, 0]) - norm[:, ia, 1]
-    l_b = (m_b - norm[:, ib, 0]) - norm[:, ib, 1]
-    empty = m_a == float("-inf")  # an empty split (or a head with no finite logit there) adds 0
-    c_a = torch.where(empty, 0.0, torch.exp(l_a))
-    term = c_a * (x + (l_a - l_b) * s_a)
-    return torch.where(empty, 0.0, term).sum(0)[:, None]
+    # [splits, N] against the rows' [N] global statistics (broadcast over the splits)
+    c_a, l_a = normalizers(slabs[:, ia, :, MAX], stats[:, ia])
+    l_b = normalizers(slabs[:, ib, :, MAX], stats[:, ib])[1]
+    term = c_a * (slabs[:, 0, :, CROSS_COL] + (l_a - l_b) * slabs[:, ia, :, SUMEXP])
+    # an empty split (or a head with no finite logit there) adds 0 (c_a = 0), never 0 * nan
+    return torch.where(c_a == 0, 0.0, term).sum(0)[:, None]
 
 
 def rows(hs, ws, bs, ht, wt, bt, norm, *, divergence, beta, softcap, temperature, _splits=None, _blocks=None):
