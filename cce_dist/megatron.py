@@ -127,6 +127,22 @@ def output_layer_loss(
         cce_dist.InputError: bad inputs on any rank of the group (raised on every rank).
     """
     _require_megatron()
+    shard_kw = _split_loss_options(loss_options)
+    weight = _head_weight(output_layer, weight)
+    bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
+    shard = _layer_shard(output_layer, weight, shard_kw)
+    labels = _shifted_labels(labels, loss_options.pop("shift", False), loss_options.get("ignore_index", -100))
+    out = linear_cross_entropy(
+        hidden_states, weight, labels.transpose(0, 1), bias=bias, shard=shard, reduction="none", **loss_options
+    )
+    if isinstance(out, tuple):
+        return tuple(t.transpose(0, 1).contiguous() for t in out)
+    return out.transpose(0, 1).contiguous()
+
+
+def _split_loss_options(loss_options: dict) -> dict:
+    """Refuse the options the layer owns and any reduction but "none"; pop and return the VocabShard fields (the
+    rest stays in ``loss_options`` for :func:`cce_dist.linear_cross_entropy`)."""
     for key, why in _OWNED.items():
         if key in loss_options:
             raise ValueError(f"output_layer_loss: do not pass {key}=: {why}")
@@ -137,8 +153,11 @@ def output_layer_loss(
             f"reduction={reduction!r}: apply the loss mask and reduce the result yourself, or call "
             "cce_dist.linear_cross_entropy directly"
         )
-    shard_kw = {k: loss_options.pop(k) for k in _SHARD_FIELDS if k in loss_options}
+    return {k: loss_options.pop(k) for k in _SHARD_FIELDS if k in loss_options}
 
+
+def _head_weight(output_layer, weight: Tensor | None) -> Tensor:
+    """The head's weight shard: ``weight`` (checked against the layer's shape) or the layer's own."""
     if getattr(output_layer, "is_expert", False):
         raise ValueError("output_layer_loss: expert (MoE) ColumnParallelLinear layers are not LM heads")
     if weight is None:
@@ -155,8 +174,12 @@ def output_layer_loss(
                 f"output_layer_loss: supplied weight's shape is {tuple(weight.shape)}, not "
                 f"{expected} as the layer expects"
             )
-    bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
+    return weight
 
+
+def _layer_shard(output_layer, weight: Tensor, shard_kw: dict) -> VocabShard:
+    """The :class:`VocabShard` of the layer: Megatron's even split over its tensor-parallel group, its sequence
+    parallelism, and its hidden-gradient reduction."""
     group = _tp_group(output_layer)
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
@@ -168,7 +191,7 @@ def output_layer_loss(
     # layer's forward, so cce_dist does exactly that reduction itself.
     reduce_hidden_grad = sequence_parallel or not getattr(output_layer, "disable_grad_reduce", False)
     v_local = int(weight.shape[0]) if weight.dim() >= 1 else 0
-    shard = VocabShard(
+    return VocabShard(
         group,
         rank * v_local,
         (rank + 1) * v_local,
@@ -177,30 +200,25 @@ def output_layer_loss(
         **shard_kw,
     )
 
+
+def _shifted_labels(labels: Any, shift: Any, ignore_index: int) -> Tensor:
+    """``labels [b, s]`` shifted along the sequence (their last dim; cce_dist's ``shift`` would act on the
+    transposed targets' last dim, the batch)."""
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         raise ValueError(
             f"output_layer_loss: labels must be a [b, s] tensor, got "
             f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
         )
-    shift = loss_options.pop("shift", False)
     shift = int(shift) if isinstance(shift, (bool, int)) else shift
     if not isinstance(shift, int) or shift < 0:
         raise ValueError(f"shift must be a bool or a non-negative int, got {shift!r}")
-    if shift:
-        # the sequence is labels' last dim; cce_dist's shift would act on targets' last dim (batch)
-        ignore_index = loss_options.get("ignore_index", -100)
-        # int64 first: ignore_index (-100) does not fit a uint8/int8 label tensor
-        shifted = torch.full(labels.shape, ignore_index, dtype=torch.int64, device=labels.device)
-        if shift < labels.shape[1]:
-            shifted[:, : labels.shape[1] - shift] = labels[:, shift:]
-        labels = shifted
-
-    out = linear_cross_entropy(
-        hidden_states, weight, labels.transpose(0, 1), bias=bias, shard=shard, reduction="none", **loss_options
-    )
-    if isinstance(out, tuple):
-        return tuple(t.transpose(0, 1).contiguous() for t in out)
-    return out.transpose(0, 1).contiguous()
+    if not shift:
+        return labels
+    # int64 first: ignore_index (-100) does not fit a uint8/int8 label tensor
+    shifted = torch.full(labels.shape, ignore_index, dtype=torch.int64, device=labels.device)
+    if shift < labels.shape[1]:
+        shifted[:, : labels.shape[1] - shift] = labels[:, shift:]
+    return shifted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,19 +308,9 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     runs unchanged and returns logits. Evaluation with labels (``model.eval()``, ``torch.no_grad()``)
     uses cce_dist too.
 
-    Seams (megatron-core 0.12 through 0.17 and main; tested on 0.12.2, 0.13.1, 0.14.0, 0.15.3 and
-    0.16.1, read from the source for the rest; checked by feature at patch time): the
-    instance's ``output_layer.forward`` returns a deferred record instead of logits, the instance's
-    ``compute_language_model_loss`` turns that record into the loss with :func:`output_layer_loss`,
-    and the instance's ``_postprocess`` (``forward`` on 0.12, whose forward has no
-    ``_postprocess``) enables that only for a loss forward. Everything else in Megatron's code runs
-    as is, so upstream changes around these calls are tracked.
-
-    Differences from the unpatched model, by design: labels equal to ``ignore_index`` (default
-    -100, never produced by Megatron's datasets) get loss 0 and no gradient where Megatron's kernel
-    gives ``lse`` (Megatron's loss mask hides both); ``cross_entropy_loss_fusion`` /
-    ``cross_entropy_fusion_impl`` have no effect (cce_dist computes the loss); ``label_smoothing``
-    is over the full vocabulary (see :func:`output_layer_loss`).
+    How (three instance methods wrapped; megatron-core 0.12 through 0.17, checked by feature at patch time) and what
+    differs by design (``ignore_index`` labels get loss 0; the loss-fusion flags have no effect; label smoothing
+    over the full vocabulary): docs/integrations.md, "Megatron-core models".
 
     Args:
         gpt_model: a ``megatron.core.models.gpt.GPTModel`` on the last pipeline stage
@@ -328,23 +336,44 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
     options = _check_options(model, loss_options)
     if is_patched(model):
         unpatch(model)
+    gate_name, gate_original = _loss_gate(model)
+    state = _PatchState(
+        options=options,
+        gate_name=gate_name,
+        gate_signature=inspect.signature(gate_original),
+        layer=model.output_layer,
+        previous={},
+        installed={},
+    )
+    for owner, name, fn in _replacements(model, state, gate_original):
+        _install(state, owner, name, fn)
+    object.__setattr__(model, _STATE_ATTR, state)
+    return model
 
-    layer: Any = model.output_layer
+
+def _loss_gate(model) -> tuple[str, Any]:
+    """``(name, bound method)`` of the method that knows whether a forward computes a loss: ``_postprocess``
+    (megatron-core >= 0.13), else ``forward`` (0.12); it must take ``labels=``."""
     gate_name = "_postprocess" if callable(getattr(type(model), "_postprocess", None)) else "forward"
     gate_original = getattr(model, gate_name)
-    gate_signature = inspect.signature(gate_original)
-    if "labels" not in gate_signature.parameters:
+    if "labels" not in inspect.signature(gate_original).parameters:
         raise TypeError(
             f"cce_dist.megatron.patch: {type(model).__name__}.{gate_name} takes no labels=; this "
             "megatron-core version is not supported"
         )
+    return gate_name, gate_original
+
+
+def _replacements(model, state: _PatchState, gate_original) -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, function)`` of the three seams: the gate marks a loss forward (``state.deferring``),
+    during which the output layer returns a :class:`_DeferredLogits` record, which ``compute_language_model_loss``
+    turns into the loss; any other call runs the original."""
+    layer = state.layer
+    gate_signature = state.gate_signature
     loss_original: Any = model.compute_language_model_loss
     loss_signature = inspect.signature(loss_original)
     layer_original = layer.forward
     layer_signature = inspect.signature(layer_original)
-    state = _PatchState(
-        options=options, gate_name=gate_name, gate_signature=gate_signature, layer=layer, previous={}, installed={}
-    )
 
     def gate(self, *args, **kwargs):
         try:
@@ -379,23 +408,26 @@ def patch(gpt_model: torch.nn.Module, **loss_options: Any) -> torch.nn.Module:
             logits.layer, logits.hidden, arguments["labels"], weight=logits.weight, **state.options
         )
 
-    for owner, name, fn in (
-        (model, gate_name, gate),
+    return [
+        (model, state.gate_name, gate),
         (layer, "forward", output_layer_forward),
         (model, "compute_language_model_loss", compute_language_model_loss),
-    ):
-        original = getattr(owner, name)
-        sig = inspect.signature(original)  # bound: without self; the installed method shows the same
-        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        setattr(fn, "__signature__", sig.replace(parameters=[self_param, *sig.parameters.values()]))  # noqa: B010
-        fn.__doc__ = (original.__doc__ or "") + "\n\n(patched by cce_dist.megatron.patch)"
-        fn.__name__ = name
-        bound = types.MethodType(fn, owner)
-        state.previous[(id(owner), name)] = vars(owner).get(name, _MISSING)
-        state.installed[(id(owner), name)] = bound
-        object.__setattr__(owner, name, bound)
-    object.__setattr__(model, _STATE_ATTR, state)
-    return model
+    ]
+
+
+def _install(state: _PatchState, owner, name: str, fn) -> None:
+    """Bind ``fn`` to this instance ``owner`` as ``name`` (the original's signature and docstring), recording what
+    was there for :func:`unpatch`."""
+    original = getattr(owner, name)
+    sig = inspect.signature(original)  # bound: without self; the installed method shows the same
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    setattr(fn, "__signature__", sig.replace(parameters=[self_param, *sig.parameters.values()]))  # noqa: B010
+    fn.__doc__ = (original.__doc__ or "") + "\n\n(patched by cce_dist.megatron.patch)"
+    fn.__name__ = name
+    bound = types.MethodType(fn, owner)
+    state.previous[(id(owner), name)] = vars(owner).get(name, _MISSING)
+    state.installed[(id(owner), name)] = bound
+    object.__setattr__(owner, name, bound)
 
 
 def unpatch(gpt_model: torch.nn.Module) -> torch.nn.Module:
