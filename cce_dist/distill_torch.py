@@ -155,6 +155,72 @@ def _rows_from(glob: Tensor, rows: Tensor, opts: DistillationOptions) -> Tensor:
     return rows[:, 0]
 
 
+@dataclass
+class _Pass:
+    """One chunk's blocks after the statistics pass (this shard's, before the group's statistics are known).
+
+    ``zs`` / ``zt``: each head's soft logits relative to this shard's row max (``m_s`` / ``m_t``; ``m_s`` in soft
+    units, offset by ``m1 / T`` with a hard-label term); ``ps`` / ``pt``: their ``exp`` (forward KL: ``zs`` itself
+    becomes ``ps``); ``th``: the student's ``tanh`` of the softcap, or None; ``e1`` / ``m1``: ``exp(z1 - m1)`` and
+    the max of the student's logits at T=1 (hard-label term); ``t_rows`` / ``t_cols``: this shard's targets;
+    ``cross``: the forward KL's sum ``e_t (zt - zs)``; ``s_t``: the teacher's local sum; ``local``: the
+    ``[k, n, NUM_STATS]`` statistics to reduce."""
+
+    zs: Tensor
+    zt: Tensor
+    ps: Tensor
+    pt: Tensor
+    th: Tensor | None
+    m_s: Tensor
+    m_t: Tensor
+    local: Tensor
+    s_t: Tensor
+    m1: Tensor | None = None
+    e1: Tensor | None = None
+    t_rows: Tensor | None = None
+    t_cols: Tensor | None = None
+    cross: Tensor | None = None
+
+
+def _statistics_pass(heads: Heads, buf: _Buffers, sl: slice, local: Tensor, grad: bool) -> _Pass:
+    """Both heads' logits of the chunk and this shard's statistics (into ``local``); ``grad``: a gradient follows
+    (with a hard-label term at T != 1, ``exp(z1 - m1)`` is kept in one more block)."""
+    o = heads.opts
+    temp, n, v = o.temperature, sl.stop - sl.start, heads.ws.shape[0]
+    zs, th = logits_t(heads.hs[sl], heads.ws, heads.bs, o.student_softcap, 1.0, buf.zs, heads.round_s)
+    zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
+    pt = buf.pt.view(n)
+    t_rows = t_cols = m1 = e1 = None
+    if o.hard_label_weight > 0:  # the student's logits at T=1: their statistics and the target logit
+        t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
+        local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
+        # exp(z1 - m1): kept for p1 where T != 1 and a gradient is asked for (formed from the soft logits as
+        # exp(z1/T - m)**T it would underflow in float32 wherever z1 - m1 < -87 T while p1 is still sizable)
+        e1 = buf.p1.view(n) if (grad and temp != 1.0) else pt
+        m1 = _head_stats(zs, e1, local[2])  # zs = z1 - m1: the soft logits below are taken relative to m1 / T
+    if temp != 1.0:
+        zs.div_(temp)
+    cross = None
+    if o.divergence == "kl":  # three blocks: zs, zt, pt
+        m_s = zs.amax(0)
+        zs.sub_(m_s)
+        m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
+        # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
+        # 0 * -inf (selected, not multiplied)
+        cross = zt.sub_(zs).masked_fill_(pt == 0, 0.0).mul_(pt).sum(0)
+        ps = zs.exp_()  # e_s, in place
+        local[0, :, S.SUMEXP] = ps.sum(0)
+    else:
+        ps = buf.ps.view(n)
+        m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
+        m_t = _head_stats(zt, pt, local[1])
+    if m1 is not None:
+        m_s = m_s + m1 / temp
+    local[0, :, S.MAX] = m_s
+    s_t = local[1, :, S.SUMEXP].clone()
+    return _Pass(zs, zt, ps, pt, th, m_s, m_t, local, s_t, m1, e1, t_rows, t_cols, cross)
+
+
 def chunk(
     heads: Heads,
     buf: _Buffers,
@@ -171,111 +237,100 @@ def chunk(
     and sums into the group's (or return saved ones when recomputing).
     """
     o = heads.opts
-    temp = o.temperature
-    n, v = sl.stop - sl.start, heads.ws.shape[0]
-    hard = o.hard_label_weight > 0
-    k = heads.n_stats
+    n, k = sl.stop - sl.start, heads.n_stats
     local = torch.zeros(k, n, S.NUM_STATS, dtype=torch.float32, device=heads.hs.device)
     local[:, :, S.MAX] = float("-inf")
-    if v == 0:  # an empty shard still joins every collective
+    if heads.ws.shape[0] == 0:  # an empty shard still joins every collective
         glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
         rows = reduce_rows(torch.zeros(n, heads.n_rows, dtype=torch.float32, device=local.device))
         return glob.transpose(0, 1), rows, None
-    zs, th = logits_t(heads.hs[sl], heads.ws, heads.bs, o.student_softcap, 1.0, buf.zs, heads.round_s)
-    zt = logits_t(heads.ht[sl], heads.wt, heads.bt, o.teacher_softcap, temp, buf.zt, heads.round_t)[0]
-    pt = buf.pt.view(n)
-    t_rows = t_cols = None
-    m1 = e1 = None
-    if hard:  # the student's logits at T=1: their statistics and the target logit
-        t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
-        local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
-        # exp(z1 - m1): kept for p1 where T != 1 and a gradient is asked for (formed from the soft logits as
-        # exp(z1/T - m)**T it would underflow in float32 wherever z1 - m1 < -87 T while p1 is still sizable)
-        e1 = buf.p1.view(n) if (g is not None and temp != 1.0) else pt
-        m1 = _head_stats(zs, e1, local[2])  # zs = z1 - m1: the soft logits below are taken relative to m1 / T
-    if temp != 1.0:
-        zs.div_(temp)
-    a = None
-    if o.divergence == "kl":  # three blocks: zs, zt, pt
-        m_s = zs.amax(0)
-        zs.sub_(m_s)
-        m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
-        # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
-        # 0 * -inf (selected, not multiplied)
-        a = zt.sub_(zs).masked_fill_(pt == 0, 0.0).mul_(pt).sum(0)
-        ps = zs.exp_()  # e_s, in place
-        local[0, :, S.SUMEXP] = ps.sum(0)
-    else:
-        ps = buf.ps.view(n)
-        m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
-        m_t = _head_stats(zt, pt, local[1])
-    if m1 is not None:
-        m_s = m_s + m1 / temp
-    local[0, :, S.MAX] = m_s
-    s_t_local = local[1, :, S.SUMEXP].clone()
+    st = _statistics_pass(heads, buf, sl, local, g is not None)
     glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
-    (c_s, l_s), (c_t, l_t) = _normalizers(m_s, glob[0]), _normalizers(m_t, glob[1])
+    norms = (_normalizers(st.m_s, glob[0]), _normalizers(st.m_t, glob[1]))
+    # the per-row factors of the gradient: the soft term's (its scale, JSD's 1 - beta, 1/T for the chain to the raw
+    # logits) and the hard-label term's, with p1 = exp(z1 - m1) * c1 from the T=1 logits at T != 1 (T=1: p_s)
     gs = wg = p1 = None
     if g is not None:
-        gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / temp)
-        if hard:
+        gs = g * (o.soft_scale * ((1.0 - o.beta) if o.divergence == "jsd" else 1.0) / o.temperature)
+        if o.hard_label_weight > 0:
             wg = g * o.hard_label_weight
-            if temp != 1.0:  # p1 = exp(z1 - m1) * c1 from the T=1 logits (log p1 = (z1 - M1) - log S1); T=1: p_s
-                assert m1 is not None and e1 is not None
-                p1 = e1.mul_(_normalizers(m1, glob[2])[0])
-    local_rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=zs.device)
-    dz: Tensor | None
+            if o.temperature != 1.0:
+                assert st.m1 is not None and st.e1 is not None  # formed by the pass with a hard-label term
+                p1 = st.e1.mul_(_normalizers(st.m1, glob[2])[0])
     if o.divergence == "kl":
-        assert a is not None  # the cross sum of the forward KL's statistics pass
-        # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
-        local_rows[:, 0] = c_t * a + (l_t - l_s) * (c_t * s_t_local)
-        rows = reduce_rows(local_rows)
-        if g is None:
-            return glob.transpose(0, 1), rows, None
-        assert gs is not None  # set with g
-        # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
-        a_s = c_s * (gs + wg) if (wg is not None and p1 is None) else c_s * gs
-        if wg is not None and p1 is None:  # the target's value, with wg*(p_s - 1) formed exactly near p_s = 1
-            p_st = ps[t_rows, t_cols] * c_s[t_cols]
-            t_val = gs[t_cols] * (p_st - pt[t_rows, t_cols] * c_t[t_cols]) + wg[t_cols] * (p_st - 1.0)
-        dz = ps.mul_(a_s).addcmul_(pt, -(c_t * gs))
+        rows, dz, t_val = _forward_kl(st, norms, reduce_rows, gs, wg, exact_target=p1 is None)
     else:
-        zs.add_(l_s)  # log p_s
-        ps.mul_(c_s)  # p_s
-        zt.add_(l_t)
-        pt.mul_(c_t)
-        if o.divergence == "reverse_kl":
-            zs.sub_(zt).masked_fill_(ps == 0, 0.0)  # log p_s - log p_t; 0 where p_s = 0 (0 log 0 = 0)
-            local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
-            rows = reduce_rows(local_rows)
-            # p_s (d - R) as p_s d - p_s R with the very p_s d that R sums: where the heads disagree confidently,
-            # d - R cancels at the student's max, and there so does the rounding of p_s d (not of d alone)
-            dz = zt.addcmul_(ps, rows[:, 0], value=-1.0) if g is not None else None
-        else:
-            lb, l1b = math.log(o.beta), math.log1p(-o.beta)
-            lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
-            zs.sub_(lm).sub_(l1b).masked_fill_(ps == 0, 0.0)  # log p_s - log M; 0 where p_s = 0 (0 log 0 = 0)
-            zt.sub_(lm).sub_(lb).masked_fill_(pt == 0, 0.0)  # log p_t - log M; likewise
-            local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
-            local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
-            del lm
-            rows = reduce_rows(local_rows)
-            dz = zs.sub_(rows[:, 1]).mul_(ps) if g is not None else None
-        if g is None:
-            return glob.transpose(0, 1), rows, None
-        assert dz is not None and gs is not None  # both set with g
-        dz.mul_(gs)
+        rows, dz = _log_space(heads, st, norms, reduce_rows, gs)
+        t_val = None
         if wg is not None and p1 is None:
-            p1 = ps
+            p1 = st.ps
+    if dz is None:
+        return glob.transpose(0, 1), rows, None
     if p1 is not None:  # wg * (p1 - onehot): at the target (p1 - 1) * wg, exact near p1 = 1 (no cancellation)
         assert wg is not None  # p1 is formed for the hard-label term only
-        t_val = dz[t_rows, t_cols] + wg[t_cols] * (p1[t_rows, t_cols] - 1.0)
+        t_val = dz[st.t_rows, st.t_cols] + wg[st.t_cols] * (p1[st.t_rows, st.t_cols] - 1.0)
         dz.addcmul_(p1, wg)
     if wg is not None:
-        dz[t_rows, t_cols] = t_val
-    if th is not None:
-        dz.mul_(th.square_().neg_().add_(1.0))
+        dz[st.t_rows, st.t_cols] = t_val
+    if st.th is not None:
+        dz.mul_(st.th.square_().neg_().add_(1.0))
     return glob.transpose(0, 1), rows, dz
+
+
+def _forward_kl(st: _Pass, norms, reduce_rows, gs: Tensor | None, wg: Tensor | None, exact_target: bool):
+    """``(rows, dz w.r.t. the soft logits, the target entries or None)`` of ``KL(p_t || p_s)`` from the three
+    blocks of its statistics pass. ``exact_target`` (T = 1): the hard-label term ``wg * (p_s - onehot)`` is folded
+    in here, its target entries formed exactly near ``p_s = 1``."""
+    (c_s, l_s), (c_t, l_t) = norms
+    local_rows = torch.empty(st.zs.shape[1], 1, dtype=torch.float32, device=st.zs.device)
+    assert st.cross is not None  # the cross sum of the forward KL's statistics pass
+    # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
+    local_rows[:, 0] = c_t * st.cross + (l_t - l_s) * (c_t * st.s_t)
+    rows = reduce_rows(local_rows)
+    if gs is None:
+        return rows, None, None
+    # dz = gs * (p_s - p_t) (+ wg * p_s at T = 1): two passes over the held exp(z - m)
+    a_s, t_val = c_s * gs, None
+    if wg is not None and exact_target:  # the target's value, with wg*(p_s - 1) formed exactly near p_s = 1
+        a_s = c_s * (gs + wg)
+        tr, tc = st.t_rows, st.t_cols
+        p_st = st.ps[tr, tc] * c_s[tc]
+        t_val = gs[tc] * (p_st - st.pt[tr, tc] * c_t[tc]) + wg[tc] * (p_st - 1.0)
+    return rows, st.ps.mul_(a_s).addcmul_(st.pt, -(c_t * gs)), t_val
+
+
+def _log_space(heads: Heads, st: _Pass, norms, reduce_rows, gs: Tensor | None):
+    """``(rows, dz w.r.t. the soft logits)`` of the reverse KL or the JSD, from both heads' log-probabilities
+    (``zs``, ``zt`` become them in place; ``ps``, ``pt`` the probabilities)."""
+    o = heads.opts
+    (c_s, l_s), (c_t, l_t) = norms
+    zs, zt, ps, pt = st.zs, st.zt, st.ps, st.pt
+    local_rows = torch.empty(zs.shape[1], heads.n_rows, dtype=torch.float32, device=zs.device)
+    zs.add_(l_s)  # log p_s
+    ps.mul_(c_s)  # p_s
+    zt.add_(l_t)
+    pt.mul_(c_t)
+    if o.divergence == "reverse_kl":
+        zs.sub_(zt).masked_fill_(ps == 0, 0.0)  # log p_s - log p_t; 0 where p_s = 0 (0 log 0 = 0)
+        local_rows[:, 0] = torch.mul(ps, zs, out=zt).sum(0)
+        rows = reduce_rows(local_rows)
+        # p_s (d - R) as p_s d - p_s R with the very p_s d that R sums: where the heads disagree confidently,
+        # d - R cancels at the student's max, and there so does the rounding of p_s d (not of d alone)
+        dz = zt.addcmul_(ps, rows[:, 0], value=-1.0) if gs is not None else None
+    else:
+        lb, l1b = math.log(o.beta), math.log1p(-o.beta)
+        lm = torch.logaddexp(zt.add_(lb), zs.add_(l1b))  # log M
+        zs.sub_(lm).sub_(l1b).masked_fill_(ps == 0, 0.0)  # log p_s - log M; 0 where p_s = 0 (0 log 0 = 0)
+        zt.sub_(lm).sub_(lb).masked_fill_(pt == 0, 0.0)  # log p_t - log M; likewise
+        local_rows[:, 1] = torch.mul(ps, zs, out=lm).sum(0)  # K
+        local_rows[:, 0] = torch.mul(pt, zt, out=lm).sum(0)
+        del lm
+        rows = reduce_rows(local_rows)
+        dz = zs.sub_(rows[:, 1]).mul_(ps) if gs is not None else None
+    if dz is None:
+        return rows, None
+    assert gs is not None
+    return rows, dz.mul_(gs)
 
 
 def loss_rows(heads: Heads, glob: Tensor, rows: Tensor, sl: slice) -> Tensor:
