@@ -7,6 +7,8 @@ Public API:
 - :func:`linear_distillation` — KL / reverse KL / JSD between a teacher's and a student's heads.
 - :class:`LinearCrossEntropy` — the module form of :func:`linear_cross_entropy`.
 - :class:`VocabShard` — this rank's slice of a vocab-parallel head and its process group.
+- :class:`RowOutputs` — the per-token outputs ``row_outputs=`` asks for (predicted token, is_top1,
+  log sum p^2, mean logit).
 - :class:`CrossEntropyOptions`, :class:`LogprobOptions`,
   :class:`DistillationOptions` — the options, one frozen dataclass each.
 """
@@ -14,6 +16,7 @@ Public API:
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
 from .distill import linear_distillation
 from .options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from .outputs import ROW_OUTPUTS, RowOutputs
 from .parallel import InputError, VocabShard
 
 __all__ = [
@@ -22,6 +25,8 @@ __all__ = [
     "InputError",
     "LinearCrossEntropy",
     "LogprobOptions",
+    "ROW_OUTPUTS",
+    "RowOutputs",
     "VocabShard",
     "linear_cross_entropy",
     "linear_distillation",

@@ -11,16 +11,22 @@ Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first di
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal, overload
 
 import torch
 from torch import nn
 
-from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows
+from . import stats as S
+from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
+from .backend import Backend
 from .driver import Call, plan_call
 from .options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
+from .outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .parallel import VocabShard
 from .prepare import (
+    Prepared,
+    check_row_stats_support,
     cross_entropy_result,
     grad_needs,
     is_dtensor,
@@ -34,6 +40,13 @@ Tensor = torch.Tensor
 
 def _call(form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions, extra) -> Call:
     """The driver's description of a one-head call (cross-entropy or logprobs)."""
+    needs = stats_needed(opts.row_outputs)
+
+    def resolve(rows: Prepared) -> Backend:
+        backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
+        check_row_stats_support(backend, needs, opts.row_outputs)
+        return backend
+
     return Call(
         form=form,
         opts=opts,
@@ -41,10 +54,27 @@ def _call(form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | 
         weight=weight,
         bias=bias,
         prepare=lambda: prepare_rows(hidden, weight, targets, bias, opts, check_ids=True),
-        resolve=lambda rows: resolve_backend(opts.impl, hidden.device, hidden.shape[-1]),
+        resolve=resolve,
         extra=lambda rows: extra,
         need_entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
-        need_sum=isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing),
+        need_sum=needs["need_sum"] or (isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)),
+        need_argmax=needs["need_argmax"],
+        need_sumsq=needs["need_sumsq"],
+    )
+
+
+def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: CrossEntropyOptions | LogprobOptions):
+    """``result``, or ``(result, RowOutputs)`` when ``opts.row_outputs`` asks for any."""
+    if not opts.row_outputs:
+        return result
+    if stats_needed(opts.row_outputs)["need_argmax"] and plan.vocab_size > S.MAX_EXACT_ID:
+        raise ValueError(
+            f"row_outputs 'predicted' / 'is_top1' need a vocabulary below 2**24 ids (float32 statistics), got "
+            f"{plan.vocab_size}"
+        )
+    valid = rows.targets != opts.ignore_index
+    return result, row_outputs(
+        stats, rows.targets, valid, opts.row_outputs, vocab_size=plan.vocab_size, shape=rows.shape
     )
 
 
@@ -57,23 +87,29 @@ def _integrations(hidden, weight, targets, bias, opts):
     return hidden, weight, targets, bias, opts
 
 
-def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions) -> Tensor | tuple[Tensor, Tensor]:
+def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
     if torch.compiler.is_compiling():
         from .compile import compiled_cross_entropy
 
         return compiled_cross_entropy(hidden, weight, targets, bias, opts)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
-    fused = opts.reduction != "none" and not opts.return_lse and opts.grad_in_forward is not False and wants_grad
+    fused = (
+        opts.reduction != "none"
+        and not opts.return_lse
+        and not opts.row_outputs
+        and opts.grad_in_forward is not False
+        and wants_grad
+    )
     extra = (("whether any of hidden/weight/bias requires grad", wants_grad), ("grad_in_forward (in effect)", fused))
     rows, plan = plan_call(_call("cross-entropy", hidden, weight, targets, bias, opts, extra))
     if fused and plan.backend.FUSED_CHUNKING:
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
-    loss_rows, lse = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
-    return cross_entropy_result(loss_rows, lse, rows, opts)
+    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    return _with_row_outputs(cross_entropy_result(loss_rows, lse, rows, opts), stats, rows, plan, opts)
 
 
-def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | tuple[Tensor, Tensor]:
+def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     if torch.compiler.is_compiling():
         from .compile import compiled_logprobs
 
@@ -81,8 +117,8 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     rows, plan = plan_call(_call("logprobs", hidden, weight, targets, bias, opts, extra))
-    lp, ent = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
-    return logprob_result(lp, ent, rows, opts)
+    lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +129,7 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions) -> Tensor | t
 # The return type follows return_lse / return_entropy. Each overload repeats the keyword list (typing needs it in
 # full); the implementation after them documents it.
 @overload
-def linear_cross_entropy(
+def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -112,9 +148,10 @@ def linear_cross_entropy(
     grad_in_forward: bool | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
 ) -> Tensor: ...
 @overload
-def linear_cross_entropy(
+def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -133,7 +170,30 @@ def linear_cross_entropy(
     grad_in_forward: bool | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
 ) -> tuple[Tensor, Tensor]: ...
+@overload
+def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    ignore_index: int = ...,
+    reduction: Reduction = ...,
+    label_smoothing: float = ...,
+    z_loss: float = ...,
+    softcap: float | None = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_lse: bool = ...,
+    chunk_size: int | None = ...,
+    grad_in_forward: bool | None = ...,
+    filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 @overload
 def linear_cross_entropy(
     hidden: Tensor,
@@ -154,7 +214,8 @@ def linear_cross_entropy(
     grad_in_forward: bool | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
-) -> Tensor | tuple[Tensor, Tensor]: ...
+    row_outputs: Collection[RowOutput],
+) -> tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]: ...
 
 
 def linear_cross_entropy(
@@ -176,7 +237,8 @@ def linear_cross_entropy(
     grad_in_forward: bool | None = None,
     filter_eps: FilterEps = None,
     deterministic: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    row_outputs: Collection[RowOutput] = (),
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets`` without materializing logits.
 
     Computes exactly ``F.cross_entropy(F.linear(hidden, W, b), targets, ignore_index=...,
@@ -212,10 +274,14 @@ def linear_cross_entropy(
             tensor's dtype). None = whenever it applies.
         filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
         deterministic: triton impl: bitwise reproducible backward (no float atomics).
+        row_outputs: any of ``"predicted"``, ``"is_top1"``, ``"log_sum_sq_probs"``, ``"mean_logit"``
+            (:class:`cce_dist.RowOutputs`): per-token outputs from the same row statistics, not
+            differentiable; a scalar loss with them forms its gradients in backward.
 
     Returns:
         float32 loss: a scalar for ``mean``/``sum``, targets' shape for ``none``; with
-        ``return_lse``: ``(loss, lse)``. Differentiable (once) w.r.t. hidden, weight and bias;
+        ``return_lse``: ``(loss, lse)``; with ``row_outputs``: ``(that, RowOutputs)``.
+        Differentiable (once) w.r.t. hidden, weight and bias;
         gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
@@ -224,7 +290,7 @@ def linear_cross_entropy(
 
 
 @overload
-def linear_logprobs(
+def linear_logprobs(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -240,9 +306,10 @@ def linear_logprobs(
     chunk_size: int | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
 ) -> Tensor: ...
 @overload
-def linear_logprobs(
+def linear_logprobs(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -258,7 +325,27 @@ def linear_logprobs(
     chunk_size: int | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
 ) -> tuple[Tensor, Tensor]: ...
+@overload
+def linear_logprobs(  # type: ignore[overload-overlap]  # row_outputs=() matches the last overload too
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    softcap: float | None = ...,
+    temperature: float = ...,
+    ignore_index: int = ...,
+    shift: bool | int = ...,
+    shard: VocabShard | None = ...,
+    impl: Impl = ...,
+    return_entropy: bool = ...,
+    chunk_size: int | None = ...,
+    filter_eps: FilterEps = ...,
+    deterministic: bool = ...,
+    row_outputs: tuple[()] = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 @overload
 def linear_logprobs(
     hidden: Tensor,
@@ -276,7 +363,8 @@ def linear_logprobs(
     chunk_size: int | None = ...,
     filter_eps: FilterEps = ...,
     deterministic: bool = ...,
-) -> Tensor | tuple[Tensor, Tensor]: ...
+    row_outputs: Collection[RowOutput],
+) -> tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]: ...
 
 
 def linear_logprobs(
@@ -295,7 +383,8 @@ def linear_logprobs(
     chunk_size: int | None = None,
     filter_eps: FilterEps = None,
     deterministic: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    row_outputs: Collection[RowOutput] = (),
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]:
     """Log-probability of each target (and optionally the entropy) without materializing logits.
 
     With ``z = softcap(hidden @ weight.T + bias) / temperature``: ``logprob = z_t - logsumexp(z)``
@@ -308,10 +397,12 @@ def linear_logprobs(
         softcap: Gemma-style logit soft-capping (applied before the temperature), or None.
         temperature: the logits are divided by it; > 0.
         return_entropy: also return the (differentiable) entropy.
+        row_outputs: as in :func:`linear_cross_entropy`, of the tempered distribution.
 
     Returns:
         float32 ``logprobs`` of targets' shape (0 at ignored positions, never positive); with
-        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions). Differentiable
+        ``return_entropy``: ``(logprobs, entropy)`` (entropy 0 at ignored positions); with
+        ``row_outputs``: ``(that, RowOutputs)``. Differentiable
         once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
     opts = LogprobOptions.from_keywords(locals())
@@ -331,7 +422,7 @@ class LinearCrossEntropy(nn.Module):
 
     def forward(
         self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]:
         return _cross_entropy(hidden, weight, targets, bias, self.options)
 
     def extra_repr(self) -> str:

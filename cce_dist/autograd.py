@@ -59,7 +59,8 @@ def _forward_stats(
     plan: Plan[Backend], hidden, weight, bias, targets, softcap, temperature
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
-    (``h``), and the row statistics reduced over the group."""
+    (``h``), and the row statistics reduced over the group (the row outputs' columns too where the backend forms
+    them: ``need_argmax`` / ``need_sumsq``)."""
     h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
     local = plan.backend.row_stats(
         h,
@@ -71,7 +72,8 @@ def _forward_stats(
         temperature=temperature,
         **plan.backend_kwargs.get("row_stats", {}),
     )
-    return h, plan.comm.reduce_stats(local)
+    kw = plan.backend_kwargs.get("row_stats", {})
+    return h, plan.comm.reduce_stats(local, extras=bool(kw.get("need_argmax") or kw.get("need_sumsq")))
 
 
 #: raised by every backward here when asked for a differentiable gradient (create_graph=True)
@@ -155,7 +157,9 @@ def saved_inputs(ctx):
 
 
 class CrossEntropyRows(torch.autograd.Function):
-    """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N])``."""
+    """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N], stats)``;
+    ``stats`` (the global row statistics ``float32 [N, NUM_STATS]``, for :mod:`cce_dist.outputs`) is not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions):
@@ -167,10 +171,11 @@ class CrossEntropyRows(torch.autograd.Function):
             )
             residual = formulas.lse_residual(stats)
         save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
-        return loss, lse
+        ctx.mark_non_differentiable(stats)
+        return loss, lse, stats
 
     @staticmethod
-    def backward(ctx, g_loss, g_lse):
+    def backward(ctx, g_loss, g_lse, _g_stats):
         plan, opts, saved, valid, (lse, residual) = saved_inputs(ctx)
         coef = formulas.cross_entropy_coef(
             lse,
@@ -186,7 +191,8 @@ class CrossEntropyRows(torch.autograd.Function):
 
 
 class LogprobRows(torch.autograd.Function):
-    """``(hidden, weight, bias, targets) -> (logprob float32 [N], entropy float32 [N])``."""
+    """``(hidden, weight, bias, targets) -> (logprob float32 [N], entropy float32 [N], stats)`` (``stats`` as
+    :class:`CrossEntropyRows`')."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: LogprobOptions):
@@ -195,10 +201,11 @@ class LogprobRows(torch.autograd.Function):
             valid = targets != opts.ignore_index
             lp, ent = formulas.logprob_rows(stats, valid)
         save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, stats)
-        return lp, ent
+        ctx.mark_non_differentiable(stats)
+        return lp, ent, stats
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, _g_stats):
         plan, opts, saved, valid, (stats,) = saved_inputs(ctx)
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
         return _backward_grads(ctx, plan, saved, coef, S.lse(stats), opts.softcap, opts.temperature) + (

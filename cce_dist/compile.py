@@ -38,9 +38,11 @@ from . import formulas
 from . import stats as S
 from .autograd import needed_input_grads, refuse_second_order
 from .options import CrossEntropyOptions, LogprobOptions
+from .outputs import check_row_outputs, row_outputs, stats_needed
 from .prepare import (
     Prepared,
     backend_kwargs,
+    check_row_stats_support,
     cross_entropy_result,
     is_dtensor,
     logprob_result,
@@ -70,16 +72,34 @@ def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
 
 
 def _stats(
-    hidden, weight, bias, targets, *, compute_dtype, softcap, temperature, impl, chunk_size, need_entropy, need_sum
+    hidden,
+    weight,
+    bias,
+    targets,
+    *,
+    compute_dtype,
+    softcap,
+    temperature,
+    impl,
+    chunk_size,
+    need_entropy,
+    need_sum,
+    row_outputs: str,
 ):
+    """The row statistics; ``row_outputs``: the op argument (the names joined by commas) whose columns to form."""
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
+    names = check_row_outputs(tuple(n for n in row_outputs.split(",") if n))
+    needs = stats_needed(names)
+    check_row_stats_support(backend, needs, names)
     kw = backend_kwargs(
         backend,
         chunk_size=chunk_size,
         need_entropy=need_entropy,
-        need_sum=need_sum,
+        need_sum=need_sum or needs["need_sum"],
         filter_eps=None,
         deterministic=False,
+        need_argmax=needs["need_argmax"],
+        need_sumsq=needs["need_sumsq"],
     )
     with torch.autocast(hidden.device.type, enabled=False):
         return backend.row_stats(
@@ -172,9 +192,10 @@ def _ce_rows(
     softcap: float | None,
     impl: str,
     chunk_size: int | None,
+    row_outputs: str,
     filter_eps: float | None,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
@@ -190,18 +211,20 @@ def _ce_rows(
         chunk_size=chunk_size,
         need_entropy=False,
         need_sum=bool(label_smoothing),
+        row_outputs=row_outputs,
     )
     valid = targets != ignore_index
     loss, lse = formulas.cross_entropy_rows(
         stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab
     )
-    return loss, lse, formulas.lse_residual(stats)
+    return loss, lse, formulas.lse_residual(stats), stats
 
 
 @_ce_rows.register_fake
 def _(hidden, *rest):  # shapes only: the outputs depend on the number of rows alone
     n = hidden.shape[0]
-    return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+    rows = tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+    return rows + (hidden.new_empty(n, S.NUM_STATS, dtype=torch.float32),)
 
 
 @torch.library.custom_op("cce_dist::ce_rows_backward", mutates_args=())
@@ -221,6 +244,7 @@ def _ce_rows_backward(
     softcap: float | None,
     impl: str,
     chunk_size: int | None,
+    row_outputs: str,
     filter_eps: float | None,
     deterministic: bool,
     need_hidden: bool,
@@ -275,7 +299,7 @@ def _(hidden, weight, bias, *rest):
 def _ce_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets = inputs[:4]
     ctx.save_for_backward(hidden, weight, bias, targets, output[1], output[2])
-    ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, fe, det
+    ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, rows, fe, det
 
 
 def _refuse_second_order() -> None:
@@ -298,8 +322,8 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
     return grads + (None,) * (1 + len(ctx.args))
 
 
-def _ce_backward(ctx, g_loss, g_lse, g_residual):
-    del g_residual  # not an output of the API
+def _ce_backward(ctx, g_loss, g_lse, g_residual, g_stats):
+    del g_residual, g_stats  # not differentiable outputs of the API
     _refuse_second_order()
     hidden, weight, bias, targets, lse, residual = ctx.saved_tensors
     needs = needed_input_grads(ctx, bias)
@@ -329,6 +353,7 @@ def _logprob_rows(
     return_entropy: bool,
     impl: str,
     chunk_size: int | None,
+    row_outputs: str,
     filter_eps: float | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -346,6 +371,7 @@ def _logprob_rows(
         chunk_size=chunk_size,
         need_entropy=return_entropy,
         need_sum=False,
+        row_outputs=row_outputs,
     )
     lp, ent = formulas.logprob_rows(stats, targets != ignore_index)
     return lp, ent, stats
@@ -374,6 +400,7 @@ def _logprob_rows_backward(
     return_entropy: bool,
     impl: str,
     chunk_size: int | None,
+    row_outputs: str,
     filter_eps: float | None,
     deterministic: bool,
     need_hidden: bool,
@@ -411,7 +438,9 @@ def _(hidden, weight, bias, *rest):
 def _lp_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets = inputs[:4]
     ctx.save_for_backward(hidden, weight, bias, targets, output[2])
-    ctx.args = inputs[4:]  # compute_dtype, ignore_index, softcap, temperature, return_entropy, impl, chunk, fe, det
+    ctx.args = inputs[
+        4:
+    ]  # compute_dtype, ignore_index, softcap, temperature, return_entropy, impl, chunk, rows, fe, det
 
 
 def _lp_backward(ctx, g_lp, g_ent, g_stats):
@@ -464,12 +493,20 @@ def _prepare(hidden, weight, targets, bias, opts) -> tuple[Prepared, tuple[float
     return rows, (None if fe is None else float(fe), bool(opts.deterministic))
 
 
+def _with_row_outputs(result, stats: Tensor, rows: Prepared, opts, vocab_size: int):
+    """``result``, or ``(result, RowOutputs)`` as eager returns them (traceable torch ops on the op's statistics)."""
+    if not opts.row_outputs:
+        return result
+    valid = rows.targets != opts.ignore_index
+    return result, row_outputs(stats, rows.targets, valid, opts.row_outputs, vocab_size=vocab_size, shape=rows.shape)
+
+
 def compiled_cross_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: CrossEntropyOptions
-) -> Tensor | tuple[Tensor, Tensor]:
+):
     """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
-    loss_rows, lse, _ = torch.ops.cce_dist.ce_rows(
+    loss_rows, lse, _, stats = torch.ops.cce_dist.ce_rows(
         rows.hidden,
         weight,
         bias,
@@ -481,17 +518,16 @@ def compiled_cross_entropy(
         opts.softcap,
         opts.impl,
         opts.chunk_size,
+        ",".join(opts.row_outputs),
         *extra,
     )
-    return cross_entropy_result(loss_rows, lse, rows, opts)
+    return _with_row_outputs(cross_entropy_result(loss_rows, lse, rows, opts), stats, rows, opts, weight.shape[0])
 
 
-def compiled_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: LogprobOptions
-) -> Tensor | tuple[Tensor, Tensor]:
+def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: LogprobOptions):
     """:func:`cce_dist.linear_logprobs` as traceable ops (called by the API under compile)."""
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
-    lp, ent, _ = torch.ops.cce_dist.logprob_rows(
+    lp, ent, stats = torch.ops.cce_dist.logprob_rows(
         rows.hidden,
         weight,
         bias,
@@ -503,6 +539,7 @@ def compiled_logprobs(
         bool(opts.return_entropy),
         opts.impl,
         opts.chunk_size,
+        ",".join(opts.row_outputs),
         *extra,
     )
-    return logprob_result(lp, ent, rows, opts)
+    return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, opts, weight.shape[0])

@@ -60,8 +60,8 @@ class Call(Generic[B]):
     resolve     the implementation for the prepared rows (raises RuntimeError naming ``impl``)
     extra       the loss's own handshake values, from the rows (None on a rank whose validation failed)
     head        the prefix of the (student's) argument names in messages ("" or "student_")
-    need_entropy, need_sum
-                which optional statistics the output reads (for the implementations that can skip them)
+    need_entropy, need_sum, need_argmax, need_sumsq
+                which optional statistics the outputs read (for the implementations that can skip them)
     """
 
     form: str
@@ -75,6 +75,8 @@ class Call(Generic[B]):
     head: str = ""
     need_entropy: bool = False
     need_sum: bool = False
+    need_argmax: bool = False
+    need_sumsq: bool = False
 
 
 def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
@@ -116,6 +118,8 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
             chunk_size=opts.chunk_size,
             need_entropy=call.need_entropy,
             need_sum=call.need_sum,
+            need_argmax=call.need_argmax,
+            need_sumsq=call.need_sumsq,
             filter_eps=filter_eps,
             deterministic=opts.deterministic,
         ),

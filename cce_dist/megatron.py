@@ -43,6 +43,7 @@ _EXTRA_HINT = "pip install 'cce_dist[megatron]' (or pip install megatron-core)"
 _OWNED = {
     "shard": "it is built from the layer (its tp group, sequence_parallel and weight shard)",
     "bias": "the layer's own bias is used (unless the layer has skip_bias_add=True)",
+    "row_outputs": "the outputs are Megatron's [b, s] loss (and lse); call cce_dist.linear_cross_entropy for them",
 }
 # VocabShard fields a caller may set through **loss_options
 _SHARD_FIELDS = ("stats_collective", "check")

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .outputs import RowOutput, check_row_outputs
+
 if TYPE_CHECKING:  # pragma: no cover
     from .parallel import VocabShard
 
@@ -201,11 +203,15 @@ class LossOptions:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
+    #: each options class's field names (set below, after the dataclasses are made): read by :meth:`from_keywords`
+    #: as a plain tuple, which torch.compile traces (``dataclasses.fields`` of a class it does not)
+    FIELD_NAMES: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def from_keywords(cls, keywords: Mapping[str, Any]):
         """The options from an entry point's keywords (its ``locals()``): every field by its name, so the entry point
         forwards no hand-written list (tests/test_signatures.py checks that its keywords are exactly the fields)."""
-        return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{name: keywords[name] for name in cls.FIELD_NAMES})
 
 
 @dataclass(frozen=True)
@@ -215,11 +221,13 @@ class CommonOptions(LossOptions):
     softcap: float | None = None
     shift: bool | int = False
     filter_eps: FilterEps = None
+    row_outputs: tuple[RowOutput, ...] = ()
 
     NUMBER_FIELDS: ClassVar[tuple[str, ...]] = LossOptions.NUMBER_FIELDS + ("softcap", "shift", "filter_eps")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        object.__setattr__(self, "row_outputs", check_row_outputs(self.row_outputs))
         object.__setattr__(self, "softcap", _check_softcap(self.softcap))
         object.__setattr__(self, "shift", _check_shift(self.shift))
         if (
@@ -255,6 +263,8 @@ class CrossEntropyOptions(CommonOptions):
                      (None = exact, "auto" = the compute dtype's resolution)
     deterministic    triton impl: no float atomics (bitwise reproducible); also on under
                      torch.use_deterministic_algorithms(True); the torch impl always is
+    row_outputs      any of "predicted", "is_top1", "log_sum_sq_probs", "mean_logit": also return a
+                     :class:`cce_dist.RowOutputs` of them (from the same statistics; not differentiable)
     """
 
     reduction: Reduction = "mean"
@@ -404,3 +414,8 @@ class DistillationOptions(LossOptions):
         """The factor of the divergence in the loss: ``(1 - w) * (T**2 if scaled else 1)``."""
         t2 = self.temperature**2 if self.scale_by_temperature_squared else 1.0
         return (1.0 - self.hard_label_weight) * t2
+
+
+for _cls in (LossOptions, CommonOptions, CrossEntropyOptions, LogprobOptions, DistillationOptions):
+    _cls.FIELD_NAMES = tuple(f.name for f in dataclasses.fields(_cls))
+del _cls

@@ -35,6 +35,7 @@ __all__ = [
     "as_rows",
     "backend_kwargs",
     "check_head",
+    "check_row_stats_support",
     "check_target_range",
     "check_targets",
     "check_tensors",
@@ -314,6 +315,17 @@ def resolve_distill_backend(impl: str, device: torch.device, hidden_dim: int) ->
     return distill_triton
 
 
+def check_row_stats_support(backend: Backend, needs: dict[str, bool], row_outputs: tuple[str, ...]) -> None:
+    """Raise RuntimeError (naming ``row_outputs`` and the remedy) where ``backend`` cannot form a statistics column
+    the requested row outputs read (``need_argmax`` / ``need_sumsq`` missing from its ``ROW_STATS_OPTIONS``)."""
+    missing = [k for k in ("need_argmax", "need_sumsq") if needs.get(k) and k not in backend.ROW_STATS_OPTIONS]
+    if missing:
+        raise RuntimeError(
+            f"row_outputs={row_outputs} is not available with the {backend.NAME} implementation (it does not form "
+            f"{', '.join(m[len('need_') :] for m in missing)}); pass impl='torch'"
+        )
+
+
 def resolve_deterministic(requested: bool) -> bool:
     """Deterministic when asked, or under torch.use_deterministic_algorithms (read when the loss is called)."""
     return bool(requested) or torch.are_deterministic_algorithms_enabled()
@@ -335,13 +347,21 @@ def backend_kwargs(
     need_sum: bool,
     filter_eps: float | None,
     deterministic: bool,
+    need_argmax: bool = False,
+    need_sumsq: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{"row_stats": {...}, "grads": {...}}``: the keyword options ``backend`` takes beyond the contract
     (:data:`~cce_dist.backend.Backend.ROW_STATS_OPTIONS` / ``GRADS_OPTIONS``), plus ``filter_eps`` and
     ``deterministic`` where it honours them (``SUPPORTS_FILTERING`` / ``DETERMINISTIC_OPTION``).
 
     ``deterministic`` is the requested flag; torch.use_deterministic_algorithms is read here."""
-    offered_row = {"chunk_size": chunk_size, "need_entropy": need_entropy, "need_sum": need_sum}
+    offered_row = {
+        "chunk_size": chunk_size,
+        "need_entropy": need_entropy,
+        "need_sum": need_sum,
+        "need_argmax": need_argmax,
+        "need_sumsq": need_sumsq,
+    }
     offered_grads: dict[str, Any] = {"chunk_size": chunk_size}
     grads = {k: v for k, v in offered_grads.items() if k in backend.GRADS_OPTIONS}
     if backend.SUPPORTS_FILTERING:

@@ -1,7 +1,8 @@
 """Per-row partial statistics over a slice of the vocabulary, and how they combine.
 
-Everything cce_dist computes (loss, lse, label-smoothing term, logprob, entropy) is a function of
-five per-row numbers gathered over a slice of the vocabulary. Two slices combine associatively,
+Everything cce_dist computes (loss, lse, label-smoothing term, logprob, entropy, and the row outputs: the predicted
+token, whether the target is top-1, log sum p^2, the mean logit) is a function of seven per-row numbers gathered over
+a slice of the vocabulary. Two slices combine associatively,
 so the same code merges vocab chunks inside one program, chunks of the PyTorch path and ranks of
 a tensor-parallel group.
 
@@ -12,6 +13,12 @@ A statistics tensor is ``float32 [N, NUM_STATS]`` with columns:
 ``TARGET``   x = z_t if the row's target t is in the slice, else 0
 ``SUM``      a = sum_j z_j * SUM_SCALE                     (label smoothing needs mean_j z_j)
 ``ENTROPY``  e = sum_j exp(z_j - m) * (z_j - m)            (entropy needs E_p[z])
+``ARGMAX``   the lowest global id j with z_j = m, as float32  (+inf for an empty slice; exact below 2**24)
+``SUMSQ``    q = sum_j exp(2 (z_j - m))                     (log sum_j p_j^2 = log q - 2 log s)
+
+SUM, ENTROPY, ARGMAX and SUMSQ are formed only where an output needs them (0 otherwise). Combining two slices keeps
+the larger max and, on a tie, the lower id: ``torch.argmax``'s rule, whatever the order the slices (chunks, splits,
+ranks) come in.
 
 ``e`` is taken relative to the slice max (rather than ``sum exp(z - m) * z``) so it does not
 cancel catastrophically when logits are large; it rescales like ``s`` plus a shift term.
@@ -26,8 +33,12 @@ from __future__ import annotations
 
 import torch
 
-MAX, SUMEXP, TARGET, SUM, ENTROPY = range(5)
-NUM_STATS = 5
+MAX, SUMEXP, TARGET, SUM, ENTROPY, ARGMAX, SUMSQ = range(7)
+NUM_STATS = 7
+#: the columns that add up across slices once rescaled to a common max (every column but MAX and ARGMAX)
+ADDITIVE = (SUMEXP, TARGET, SUM, ENTROPY, SUMSQ)
+#: ids at or above this are not exact as float32 (the ARGMAX column)
+MAX_EXACT_ID = 2**24
 SUM_SCALE = 2.0**-32
 
 
@@ -35,6 +46,7 @@ def empty_stats(n: int, device: torch.device | str | None = None) -> torch.Tenso
     """Statistics of an empty vocab slice for ``n`` rows: the identity of :func:`combine`."""
     out = torch.zeros(n, NUM_STATS, dtype=torch.float32, device=device)
     out[:, MAX] = float("-inf")
+    out[:, ARGMAX] = float("inf")
     return out
 
 
@@ -48,7 +60,7 @@ def rescale(stats: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     """Re-express ``stats`` relative to ``new_max`` (>= the slice max) so slices can be summed.
 
     Returns ``[N, NUM_STATS]`` whose ``MAX`` column is ``new_max`` and whose SUMEXP/ENTROPY columns
-    are additive across slices that share ``new_max``. TARGET and SUM are already additive.
+    are additive across slices that share ``new_max``. TARGET and SUM are already additive; ARGMAX is kept.
     """
     m, s, e = stats[:, MAX], stats[:, SUMEXP], stats[:, ENTROPY]
     scale = _safe_scale(m, new_max)
@@ -57,20 +69,20 @@ def rescale(stats: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     out[:, MAX] = new_max
     out[:, SUMEXP] = s * scale
     out[:, ENTROPY] = (e + s * shift) * scale
+    out[:, SUMSQ] = stats[:, SUMSQ] * scale * scale
     return out
 
 
-def sum_rescaled(rescaled: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Sum a stack of statistics that were all rescaled to the same max (MAX column kept)."""
-    out = rescaled.sum(dim)
-    out[..., MAX] = rescaled.select(dim, 0)[..., MAX]
-    return out
+def argmax_of(stack: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """The ARGMAX of ``[P, N, NUM_STATS]`` slices whose combined max is ``new_max [N]``: the lowest id among the
+    slices that hold the max."""
+    holds = stack[..., MAX] == new_max
+    return torch.where(holds, stack[..., ARGMAX], torch.full_like(stack[..., ARGMAX], float("inf"))).amin(0)
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Merge the statistics of two disjoint vocab slices (associative, commutative)."""
-    new_max = torch.maximum(a[:, MAX], b[:, MAX])
-    return sum_rescaled(torch.stack([rescale(a, new_max), rescale(b, new_max)]))
+    return combine_stack(torch.stack([a, b]))
 
 
 def combine_stack(stack: torch.Tensor) -> torch.Tensor:
@@ -78,7 +90,10 @@ def combine_stack(stack: torch.Tensor) -> torch.Tensor:
     if stack.shape[0] == 1:
         return stack[0]
     new_max = stack[..., MAX].amax(0)
-    return sum_rescaled(torch.stack([rescale(s, new_max) for s in stack.unbind(0)]))
+    out = torch.stack([rescale(s, new_max) for s in stack.unbind(0)]).sum(0)
+    out[..., MAX] = new_max
+    out[..., ARGMAX] = argmax_of(stack, new_max)
+    return out
 
 
 def lse(stats: torch.Tensor) -> torch.Tensor:
@@ -100,6 +115,11 @@ def normalizers(local_max: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Ten
     empty = torch.isneginf(local_max)
     c = torch.where(empty, torch.zeros_like(d), torch.exp(d) / stats[:, SUMEXP])
     return c, torch.where(empty, float("-inf"), d - torch.log(stats[:, SUMEXP]))
+
+
+def log_sum_sq_probs(stats: torch.Tensor) -> torch.Tensor:
+    """``log sum_j p_j^2`` per row, ``float32 [N]``: ``log q - 2 log s`` (no lse rounding)."""
+    return torch.log(stats[:, SUMSQ]) - 2.0 * torch.log(stats[:, SUMEXP])
 
 
 def mean_logit(stats: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ NAME = "torch"
 FUSED_CHUNKING = True  # fused_cross_entropy below is this implementation's scalar-loss schedule
 SUPPORTS_FILTERING = False  # exact: filter_eps is accepted and ignored
 DETERMINISTIC_OPTION = False  # always deterministic
-ROW_STATS_OPTIONS = frozenset({"chunk_size", "need_entropy", "need_sum"})
+ROW_STATS_OPTIONS = frozenset({"chunk_size", "need_entropy", "need_sum", "need_argmax", "need_sumsq"})
 GRADS_OPTIONS = frozenset({"chunk_size"})
 
 
@@ -130,12 +130,19 @@ def target_cols(targets: torch.Tensor, vocab_start: int, v_local: int) -> tuple[
 
 
 def _chunk_stats(
-    z: torch.Tensor, targets: torch.Tensor, vocab_start: int, need_entropy: bool, need_sum: bool = True
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    need_entropy: bool,
+    need_sum: bool = True,
+    need_argmax: bool = False,
+    need_sumsq: bool = False,
 ) -> torch.Tensor:
     """Statistics of one transposed chunk. Overwrites ``z`` with ``exp(z - m)`` (with
     ``need_entropy``: with ``z - m``).
 
-    ``need_sum=False`` / ``need_entropy=False`` leave those columns 0 and save a pass each.
+    ``need_sum`` / ``need_entropy`` / ``need_argmax`` / ``need_sumsq`` False leave those columns 0 and save a pass
+    each.
     """
     v_local, n = z.shape
     if v_local == 0:
@@ -145,9 +152,13 @@ def _chunk_stats(
     out[cols, S.TARGET] = z[rows, cols]
     if need_sum:  # sum_j z_j * 2**-32 as one GEMV: each term is scaled before it is accumulated
         out[:, S.SUM] = torch.mv(z.t(), z.new_full((v_local,), S.SUM_SCALE))
+    if need_argmax:  # torch.argmax: the first (lowest) id of the max; as float32, exact below 2**24
+        out[:, S.ARGMAX] = z.argmax(0).float() + vocab_start
     m = z.amax(0)
     out[:, S.MAX] = m
     z.sub_(m)
+    if need_sumsq:  # sum_j exp(2 (z_j - m))
+        out[:, S.SUMSQ] = torch.exp(2.0 * z).sum(0)
     if need_entropy:
         ex = torch.exp(z)
         out[:, S.SUMEXP] = ex.sum(0)
@@ -174,10 +185,13 @@ def row_stats(
     chunk_size: int | None = None,
     need_entropy: bool = True,
     need_sum: bool = True,
+    need_argmax: bool = False,
+    need_sumsq: bool = False,
 ) -> torch.Tensor:
     """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.backend`).
 
-    ``need_entropy`` / ``need_sum`` (torch only): skip the ENTROPY / SUM columns (left 0).
+    ``need_entropy`` / ``need_sum`` / ``need_argmax`` / ``need_sumsq``: form the ENTROPY / SUM / ARGMAX / SUMSQ
+    columns (else left 0).
     """
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     out = S.empty_stats(n_tokens, device=hidden.device)
@@ -188,7 +202,7 @@ def row_stats(
     block = LogitsBlock(v_local, step, hidden.device)
     for sl in token_chunks(n_tokens, step):
         z = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)[0]
-        out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy, need_sum)
+        out[sl] = _chunk_stats(z, targets[sl], vocab_start, need_entropy, need_sum, need_argmax, need_sumsq)
     return out
 
 

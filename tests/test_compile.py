@@ -142,6 +142,10 @@ def test_dynamic_compile_with_options_as_arguments():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+#: every row output: the ops' row_outputs argument (the names joined by commas)
+ROWS = "predicted,is_top1,log_sum_sq_probs,mean_logit"
+
+
 def _op_args():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 8, generator=g, requires_grad=True)
@@ -158,14 +162,17 @@ def test_opcheck(with_bias):
     chunk = 16  # several vocab chunks
     ops = torch.ops.cce_dist
     torch.library.opcheck(
-        ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
+        ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, ROWS, None, False)
     )
     torch.library.opcheck(
-        ops.logprob_rows.default, (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, None, False)
+        ops.logprob_rows.default,
+        (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, ROWS, None, False),
     )
     hd, wd = h.detach(), w.detach()
     bd = None if b is None else b.detach()
-    _, lse, residual = ops.ce_rows(hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, None, False)
+    _, lse, residual, _ = ops.ce_rows(
+        hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, "", None, False
+    )
     g = torch.rand(5)
     torch.library.opcheck(
         ops.ce_rows_backward.default,
@@ -185,6 +192,7 @@ def test_opcheck(with_bias):
             2.0,
             "torch",
             chunk,
+            "",
             None,
             False,
             True,
@@ -192,7 +200,7 @@ def test_opcheck(with_bias):
             with_bias,
         ),
     )
-    _, _, stats = ops.logprob_rows(hd, wd, bd, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, None, False)
+    _, _, stats = ops.logprob_rows(hd, wd, bd, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, "", None, False)
     torch.library.opcheck(
         ops.logprob_rows_backward.default,
         (
@@ -210,6 +218,7 @@ def test_opcheck(with_bias):
             True,
             "torch",
             chunk,
+            "",
             None,
             False,
             True,
@@ -223,5 +232,5 @@ def test_op_rejects_out_of_range_targets():
     h, w, b, t = _op_args()
     with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
         torch.ops.cce_dist.ce_rows(
-            h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None, "torch", 16, None, False
+            h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None, "torch", 16, "", None, False
         )

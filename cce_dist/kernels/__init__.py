@@ -44,7 +44,7 @@ NAME = "triton"
 FUSED_CHUNKING = False
 SUPPORTS_FILTERING = True
 DETERMINISTIC_OPTION = True  # the default backward uses float atomics
-ROW_STATS_OPTIONS: frozenset[str] = frozenset({"need_entropy", "need_sum"})
+ROW_STATS_OPTIONS: frozenset[str] = frozenset({"need_entropy", "need_sum", "need_argmax", "need_sumsq"})
 GRADS_OPTIONS: frozenset[str] = frozenset()
 
 

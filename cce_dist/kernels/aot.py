@@ -162,6 +162,8 @@ def forward_launches(
     tf32=True,
     need_sum=True,
     need_entropy=True,
+    need_argmax=False,
+    need_sumsq=False,
 ):
     """``[(kernel, grid, args, kwargs)]``: one per forward config the autotuner may pick on ``props``."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
@@ -177,6 +179,8 @@ def forward_launches(
         allow_tf32=tf32,
         need_sum=need_sum,
         need_entropy=need_entropy,
+        need_argmax=need_argmax,
+        need_sumsq=need_sumsq,
     )
     out = []
     for c in configs:
@@ -271,7 +275,8 @@ def matrix(props: _config.DeviceProps):
     At the paper shape: every forward candidate and every backward config the library can select
     on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
     sampled so that each selectable config and each kernel appears (the forward with all five statistics; bf16
-    also without SUM / ENTROPY, the plain cross-entropy's); bf16 gets all four backward
+    also without SUM / ENTROPY, the plain cross-entropy's; bf16 and TF32 with the row outputs' ARGMAX and SUMSQ
+    too); bf16 gets all four backward
     flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
     and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain and the heaviest flags)
     and once per other mode; plus the ragged shape once (no divisibility hints) and the chunked dz
@@ -289,6 +294,9 @@ def matrix(props: _config.DeviceProps):
         add(f"{name}/plain/fwd", fwd if name != "fp16" else fwd[:1])
         if name == "bf16":  # the cross-entropy without label smoothing: no SUM / ENTROPY statistics
             add(f"{name}/ce/fwd", forward_launches(props, dtype, n, d, v, need_sum=False, need_entropy=False))
+        if name in ("bf16", "tf32"):  # every row output on top of every statistic: the longest epilogue
+            rows = forward_launches(props, dtype, n, d, v, tf32=tf32, need_argmax=True, need_sumsq=True)
+            add(f"{name}/row-outputs/fwd", rows)
         if name == "bf16":
             fl = _FLAGS["bias+softcap+temp"]
             add(

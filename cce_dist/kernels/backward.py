@@ -177,9 +177,12 @@ def _dz_tile(
 
     zc = z - lse[:, None]  # log p: small wherever p matters, however large the logits
     p = tl.exp(zc)
-    # p == 0 (a -inf logit, e.g. a masked token's -inf bias) contributes exactly 0, not 0 * inf.
+    # p == 0 (a -inf logit, e.g. a masked token's -inf bias) contributes exactly 0, not 0 * inf: its log p is
+    # replaced by 0 before any product, so no lane forms 0 * -inf even where the result is then discarded.
     # (!= rather than >: a NaN p must still propagate.)
-    pterm = tl.where(ok & (p != 0.0), p * (alpha[:, None] + delta[:, None] * zc), 0.0)
+    live = ok & (p != 0.0)
+    zc = tl.where(live, zc, 0.0)
+    pterm = tl.where(live, p * (alpha[:, None] + delta[:, None] * zc), 0.0)
     if FILTER:
         # Relative to each row's coefficient scale, so the threshold does not depend on the
         # upstream gradient's magnitude (a mean over many tokens makes every ALPHA tiny).
@@ -193,7 +196,7 @@ def _dz_tile(
             keep = keep | (tl.max(tl.where(row_ok & (gamma != 0.0), 1, 0)) > 0)
     # At the target: (p - 1) * ALPHA + BETA (+ the DELTA term); p - 1 is exact near p = 1, so the
     # small terms of BETA (z-loss, smoothing, entropy) are not lost to a cancellation with ALPHA.
-    dterm = tl.where(ok & (p != 0.0), p * delta[:, None] * zc, 0.0)
+    dterm = tl.where(live, p * delta[:, None] * zc, 0.0)
     tterm = (p - 1.0) * alpha[:, None] + beta[:, None] + dterm
     dz = tl.where(hit, tterm, pterm)
     if GAMMA_IN_TILE:

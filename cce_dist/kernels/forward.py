@@ -54,6 +54,8 @@ def _row_stats_kernel(
     HAS_TEMP: tl.constexpr,
     NEED_SUM: tl.constexpr,
     NEED_ENTROPY: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr,
+    NEED_SUMSQ: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -69,11 +71,13 @@ def _row_stats_kernel(
     W (pointer): head weight shard, [V, D], same dtype as H; local row j is global id vocab_start + j.
     Bias (pointer): [V] same dtype, or a dummy when HAS_BIAS is False.
     Targets (pointer): [N] int64 global target ids (any id outside the shard never matches).
-    Out (pointer): fp32 [splits, N, 5] output; columns MAX, SUMEXP, TARGET, SUM, ENTROPY.
+    Out (pointer): fp32 [splits, N, 7] output; columns MAX, SUMEXP, TARGET, SUM, ENTROPY, ARGMAX, SUMSQ.
     N, V, D (int): sizes. vocab_start (int): global id of local row 0.
     softcap, temperature (float): used when HAS_SOFTCAP / HAS_TEMP.
     NEED_SUM / NEED_ENTROPY (constexpr): accumulate the SUM (label smoothing) / ENTROPY columns;
     when False the column is written as 0 and its per-logit work (3-4 ops each) is not compiled in.
+    NEED_ARGMAX / NEED_SUMSQ (constexpr): the row outputs' ARGMAX (the lowest global id of the max, as
+    float32; +inf when not needed or the slice is empty) and SUMSQ (sum exp(2 (z - m)); 0 when not needed).
     The vocab is cut into ``tl.num_programs(1)`` splits of ``v_per_split`` rows, a multiple of
     BLOCK_V (so only the shard's last tile is ragged); program (pid_n, pid_s) covers
     [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)), possibly empty (then it writes the
@@ -95,6 +99,8 @@ def _row_stats_kernel(
     x = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
     e = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    q = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    am = tl.zeros((BLOCK_N,), dtype=tl.int64) + (V + vocab_start)  # past every id: set by the first finite max
 
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -124,7 +130,11 @@ def _row_stats_kernel(
         z, _slope = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
         z_m = tl.where(col_ok[None, :], z, float("-inf"))
-        new_m = tl.maximum(m, tl.max(z_m, axis=1))
+        tile_m = tl.max(z_m, axis=1)
+        new_m = tl.maximum(m, tile_m)
+        if NEED_ARGMAX:  # the tile's lowest id of its max; tiles come in increasing ids, so a tie keeps the earlier
+            tile_arg = tl.min(tl.where(z_m == tile_m[:, None], offs_v[None, :], V), axis=1)
+            am = tl.where(tile_m > m, tile_arg + vocab_start, am)
         # Re-express the running sums relative to new_m. m = -inf only before the first tile,
         # where s = e = 0: take scale = 0 and shift = 0 there (avoid 0 * inf = nan).
         first = m == float("-inf")
@@ -132,14 +142,20 @@ def _row_stats_kernel(
         shift = tl.where(first, 0.0, m - new_m)
         if NEED_ENTROPY:
             e = (e + s * shift) * scale
+        if NEED_SUMSQ:
+            q = q * (scale * scale)
         s = s * scale
 
         zc = z - new_m[:, None]
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         s += tl.sum(p, axis=1)
+        if NEED_SUMSQ:
+            q += tl.sum(p * p, axis=1)
         if NEED_ENTROPY:
-            # p == 0 (a -inf logit): its term is 0, not 0 * -inf (!=, so a NaN p still propagates)
-            e += tl.sum(tl.where(col_ok[None, :] & (p != 0.0), p * zc, 0.0), axis=1)
+            # p == 0 (a -inf logit): its term is 0, not 0 * -inf, and no lane forms 0 * -inf even to discard it
+            # (!=, so a NaN p still propagates)
+            live = col_ok[None, :] & (p != 0.0)
+            e += tl.sum(tl.where(live, p * tl.where(live, zc, 0.0), 0.0), axis=1)
         if NEED_SUM:
             a += tl.sum(tl.where(col_ok[None, :], z * _SUM_SCALE, 0.0), axis=1)  # scaled: cannot overflow
         hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]
@@ -152,6 +168,9 @@ def _row_stats_kernel(
     tl.store(out + 2, x, mask=row_ok)
     tl.store(out + 3, a, mask=row_ok)
     tl.store(out + 4, e, mask=row_ok)
+    found = am < V + vocab_start
+    tl.store(out + 5, tl.where(found, am.to(tl.float32), float("inf")), mask=row_ok)
+    tl.store(out + 6, q, mask=row_ok)
 
 
 _INTERPRET = interpreting(_row_stats_kernel)
@@ -195,6 +214,8 @@ def plan(
     allow_tf32=None,
     need_sum=True,
     need_entropy=True,
+    need_argmax=False,
+    need_sumsq=False,
     _splits=None,
     _blocks=None,
 ):
@@ -208,7 +229,8 @@ def plan(
     is how tests/test_aot_compile.py compiles exactly what a launch on ``props`` would.
     ``props``: :class:`~.config.DeviceProps` (default: the tensors' CUDA device).
     ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
-    ``need_sum`` / ``need_entropy``: compute the SUM / ENTROPY columns (see :func:`row_stats`).
+    ``need_sum`` / ``need_entropy`` / ``need_argmax`` / ``need_sumsq``: compute those columns (see
+    :func:`row_stats`).
     """
     n, d = hidden.shape
     v = weight.shape[0]
@@ -230,7 +252,7 @@ def plan(
             precision == "tf32",
             has_softcap,
             _rows_aligned(hidden, weight),
-            lean=not (need_sum or need_entropy),
+            lean=not (need_sum or need_entropy or need_argmax or need_sumsq),
         )
 
     def splits_of(c: _config.FwdConfig) -> int:
@@ -272,6 +294,8 @@ def plan(
         HAS_TEMP=has_temp,
         NEED_SUM=bool(need_sum),
         NEED_ENTROPY=bool(need_entropy),
+        NEED_ARGMAX=bool(need_argmax),
+        NEED_SUMSQ=bool(need_sumsq),
         USE_LIBDEVICE=use_libdevice(interpret),
         DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, interpret),
@@ -293,6 +317,8 @@ def row_stats(
     temperature,
     need_sum=True,
     need_entropy=True,
+    need_argmax=False,
+    need_sumsq=False,
     _splits=None,
     _blocks=None,
 ):
@@ -302,7 +328,8 @@ def row_stats(
     None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.backend` for the exact definition.
     ``need_sum=False`` / ``need_entropy=False`` skip the SUM / ENTROPY statistics (their columns then
     carry no meaning): the cross-entropy without label smoothing reads neither, and the per-logit
-    epilogue is about half as long without them.
+    epilogue is about half as long without them. ``need_argmax`` / ``need_sumsq``: the row outputs' ARGMAX /
+    SUMSQ columns (:mod:`cce_dist.outputs`).
     ``_splits`` / ``_blocks`` (tests only) force the number of vocab splits and the
     ``(BLOCK_N, BLOCK_V, BLOCK_D)`` tiles.
     """
@@ -326,6 +353,8 @@ def row_stats(
         temperature=temperature,
         need_sum=need_sum,
         need_entropy=need_entropy,
+        need_argmax=need_argmax,
+        need_sumsq=need_sumsq,
         _splits=_splits,
         _blocks=_blocks,
     )
