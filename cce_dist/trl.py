@@ -1,0 +1,133 @@
+"""TRL's trainers on cce_dist's head: one call, :func:`patch`.
+
+TRL 1.16 gives its SFT, DPO, GRPO, KTO and RLOO trainers a fused LM head (``trl.trainer.utils.add_fused_lm_head``):
+``model(..., labels=labels, fused_lm_head=True)`` runs the backbone and scores each next-token label with a chunked
+kernel (``trl.kernels.ChunkedLogProbFunction``), returning per-token ``log_probs``, ``entropy``,
+``log_sum_sq_probs``, ``mean_logits`` and ``is_top1``. :func:`patch` makes every such head, installed before or
+after the call, score with :func:`cce_dist.linear_logprobs` instead (its entropy, and its ``row_outputs`` for the
+other three): TRL's own code keeps reading the configuration (temperature, ``final_logit_softcapping``, the logit
+scale), selecting and shifting the labels, masking and reducing, so its output contract is unchanged; only the
+per-token scoring is cce_dist's.
+
+- The logit scale TRL applies before the softcap (``logit_scale``, ``logits_scaling``, ...) is folded exactly into
+  the softcap and the temperature: ``softcap(s * raw) / T = softcap'(raw) / T'`` with ``softcap' = softcap / s`` and
+  ``T' = T / s``.
+- The projection runs in TRL's compute dtype: the autocast dtype, else the hidden states' (the head is cast to it
+  where they differ, as TRL's kernel does tile by tile).
+- ``tensor_parallel=True``: a head whose weight is a ``Shard(0)`` DTensor on a 1-D tensor-parallel mesh is scored
+  vocab-parallel (:mod:`cce_dist.dtensor`), without the ``full_tensor()`` gather TRL does for FSDP. Every rank of
+  that mesh must score the same tokens (tensor parallelism, not FSDP's data-parallel shards); the handshake raises
+  on every rank where they differ.
+
+Not differentiable: ``log_sum_sq_probs``, ``mean_logits``, ``is_top1`` (as in TRL). :func:`unpatch` restores TRL.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .api import linear_logprobs
+
+__all__ = ["MIN_TRL_VERSION", "is_patched", "patch", "unpatch"]
+
+MIN_TRL_VERSION = (1, 16)
+
+#: TRL's per-token field -> cce_dist's row output
+_ROW_OUTPUTS = {"log_sum_sq_probs": "log_sum_sq_probs", "mean_logits": "mean_logit", "is_top1": "is_top1"}
+
+_SAVED: dict[str, Any] = {}
+
+
+def _trl_utils():
+    try:
+        import trl
+        import trl.trainer.utils as utils
+    except ImportError as e:  # pragma: no cover - the message is the test
+        raise ImportError(f"cce_dist.trl needs TRL >= 1.16: pip install 'cce_dist[trl]' ({e})") from e
+    version = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_TRL_VERSION or not hasattr(utils, "_ChunkedLogProbFunction"):
+        raise ImportError(
+            f"cce_dist.trl needs TRL >= {'.'.join(map(str, MIN_TRL_VERSION))} (its fused LM head); found "
+            f"{trl.__version__}"
+        )
+    return utils
+
+
+class _NeverGathered:
+    """Stands for ``DTensor`` in TRL's fused head under ``tensor_parallel=True``: no weight is an instance, so TRL
+    hands the vocab-sharded DTensor to cce_dist instead of gathering it."""
+
+
+class CceLogProbs:
+    """cce_dist in the place of ``trl.kernels.ChunkedLogProbFunction``: ``apply`` takes its arguments and returns its
+    five per-token outputs (None where not in ``outputs``)."""
+
+    @staticmethod
+    def apply(
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
+        outputs: tuple[str, ...] = ("log_probs",),
+    ):
+        """``hidden [N, H]``, ``weight [V, H]`` (or a vocab-sharded DTensor), ``bias [V]`` or None, ``targets [N]``
+        ids -> ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``[N]`` or None.
+        ``chunk_size`` (TRL's vocab tile) is not used: cce_dist sizes its own."""
+        del chunk_size
+        scale = float(logit_scale)
+        if not scale > 0:
+            raise ValueError(f"cce_dist.trl: the model's logit scale must be > 0 to fold it into T, got {logit_scale}")
+        softcap = None if not final_logit_softcapping else float(final_logit_softcapping) / scale
+        dev = hidden.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        if weight.dtype != dtype:  # TRL's kernel projects in the hidden states' dtype outside autocast
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        rows = tuple(_ROW_OUTPUTS[name] for name in _ROW_OUTPUTS if name in outputs)
+        out = linear_logprobs(
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            softcap=softcap,
+            temperature=float(temperature) / scale,
+            return_entropy="entropy" in outputs,
+            row_outputs=rows,
+        )
+        first, extra = out if rows else (out, None)
+        logp, entropy = first if "entropy" in outputs else (first, None)
+        fields = {name: None if extra is None else getattr(extra, row) for name, row in _ROW_OUTPUTS.items()}
+        return logp, entropy, fields["log_sum_sq_probs"], fields["mean_logits"], fields["is_top1"]
+
+
+def patch(*, tensor_parallel: bool = False) -> None:
+    """Make TRL's fused LM head score with cce_dist, for every model TRL gave one or will give one (see the module
+    docstring). ``tensor_parallel``: score a ``Shard(0)`` DTensor head vocab-parallel instead of gathering it.
+    Calling it again replaces the setting. Raises ImportError without TRL >= 1.16."""
+    utils = _trl_utils()
+    if not _SAVED:
+        _SAVED.update(kernel=utils._ChunkedLogProbFunction, dtensor=utils.DTensor)
+    utils._ChunkedLogProbFunction = CceLogProbs
+    utils.DTensor = _NeverGathered if tensor_parallel else _SAVED["dtensor"]
+
+
+def unpatch() -> None:
+    """Restore TRL's own fused head kernel (and its DTensor gather)."""
+    if not _SAVED:
+        raise ValueError("cce_dist.trl is not patched")
+    utils = sys.modules["trl.trainer.utils"]
+    utils._ChunkedLogProbFunction = _SAVED["kernel"]
+    utils.DTensor = _SAVED["dtensor"]
+    _SAVED.clear()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    return bool(_SAVED)

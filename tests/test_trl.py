@@ -1,0 +1,221 @@
+"""cce_dist.trl: TRL 1.16's trainers on cce_dist's head give TRL's own numbers.
+
+A tiny Llama (vocab 97, built from a config: no download) and a word-level tokenizer. TRL's fused head
+(``add_fused_lm_head``) is compared field by field with the same head patched by ``cce_dist.trl.patch()``:
+``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, ``label_mask``, the loss and every
+parameter's gradient, with temperature, a softcap and a logit scale read from the config as TRL reads them. Then a
+few SGD steps of the SFT, DPO, KTO and GRPO trainers (patched before and after the trainer is built) must log the
+same losses and metrics (``mean_token_accuracy``, ``entropy``, the DPO / KTO logits and rewards) and end with the
+same parameters. float32 on CPU: TRL's kernel and cce_dist's sum in different orders, so the per-token values agree
+to a few float32 ulps of their scale (1e-5 relative) and the parameters after a few steps to 1e-5.
+tests/test_trl_parallel.py runs the head vocab-parallel on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", minversion="1.16")
+transformers = pytest.importorskip("transformers")
+
+from trl_models import tiny_model, tokenizer  # noqa: E402
+
+import cce_dist.trl as ct  # noqa: E402
+
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    yield
+    if ct.is_patched():
+        ct.unpatch()
+
+
+@pytest.mark.parametrize(
+    "config,temperature",
+    [({}, 1.0), ({"final_logit_softcapping": 7.0}, 0.7), ({"final_logit_softcapping": 5.0, "logit_scale": 0.8}, 1.3)],
+)
+def test_fused_head_fields_and_gradients_equal_trls(config, temperature):
+    from trl.trainer.utils import add_fused_lm_head
+
+    trl_model = tiny_model(**config)
+    cce_model = copy.deepcopy(trl_model)
+    for m in (trl_model, cce_model):
+        add_fused_lm_head(m, temperature=temperature, outputs=OUTPUTS)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 95, (3, 11), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    want = trl_model(input_ids=ids, labels=labels, fused_lm_head=True)
+    ct.patch()
+    got = cce_model(input_ids=ids, labels=labels, fused_lm_head=True)
+    for name in OUTPUTS + ("label_mask",):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.detach().abs().max())))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    (got.loss + got.entropy.sum()).backward()
+    (want.loss + want.entropy.sum()).backward()
+    for (name, p), q in zip(cce_model.named_parameters(), trl_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_the_requested_fields_are_formed():
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_model()
+    add_fused_lm_head(model, outputs=("log_probs", "is_top1"))
+    ct.patch()
+    ids = torch.randint(0, 95, (2, 7))
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert out.entropy is None and out.mean_logits is None and out.log_sum_sq_probs is None
+    assert out.is_top1.dtype == torch.bool
+
+
+def test_patch_and_unpatch_restore_trls_kernel():
+    import trl.trainer.utils as utils
+
+    original = utils._ChunkedLogProbFunction
+    ct.patch()
+    assert utils._ChunkedLogProbFunction is ct.CceLogProbs and ct.is_patched()
+    ct.patch(tensor_parallel=True)  # again: replaces the setting
+    ct.unpatch()
+    assert utils._ChunkedLogProbFunction is original and not ct.is_patched()
+    with pytest.raises(ValueError, match="not patched"):
+        ct.unpatch()
+
+
+def test_a_non_positive_logit_scale_is_refused():
+    with pytest.raises(ValueError, match="logit scale"):
+        ct.CceLogProbs.apply(torch.randn(2, 4), torch.randn(5, 4), None, torch.tensor([0, 1]), 1.0, 8, None, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainers: a few SGD steps, TRL's head against cce_dist's
+# ----------------------------------------------------------------------------------------------
+
+
+def _words(g, n):
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 95, (n,), generator=g))
+
+
+def _datasets():
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(3)
+    lm = Dataset.from_dict(
+        {"input_ids": [torch.randint(0, 95, (int(n),), generator=g).tolist() for n in torch.randint(5, 12, (8,))]}
+    )
+    pref = Dataset.from_dict(
+        {
+            "prompt": [_words(g, 4) for _ in range(8)],
+            "chosen": [_words(g, 3) for _ in range(8)],
+            "rejected": [_words(g, 3) for _ in range(8)],
+        }
+    )
+    kto = Dataset.from_dict(
+        {
+            "prompt": [_words(g, 4) for _ in range(8)],
+            "completion": [_words(g, 3) for _ in range(8)],
+            "label": [bool(i % 2) for i in range(8)],
+        }
+    )
+    prompts = Dataset.from_dict({"prompt": [_words(g, 4) for _ in range(8)]})
+    return {"sft": lm, "dpo": pref, "kto": kto, "grpo": prompts}
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(kind, out_dir, bf16=False):
+    common = dict(
+        bf16=bf16,  # TRL's configs default to bf16 autocast on CPU
+        output_dir=str(out_dir),
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+    data = _datasets()[kind]
+    if kind == "sft":
+        args = trl.SFTConfig(per_device_train_batch_size=4, **common)
+        return trl.SFTTrainer(model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer())
+    if kind == "dpo":
+        args = trl.DPOConfig(per_device_train_batch_size=4, **common)
+        return trl.DPOTrainer(
+            model=tiny_model(), ref_model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer()
+        )
+    if kind == "kto":
+        args = trl.KTOConfig(per_device_train_batch_size=4, **common)
+        return trl.KTOTrainer(
+            model=tiny_model(), ref_model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer()
+        )
+    args = trl.GRPOConfig(
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        temperature=1.0,
+        **common,
+    )
+    return trl.GRPOTrainer(
+        model=tiny_model(), reward_funcs=_reward, args=args, train_dataset=data, processing_class=tokenizer()
+    )
+
+
+def _train(kind, out_dir, patch_when, bf16=False):
+    torch.manual_seed(0)
+    if patch_when == "before":
+        ct.patch()
+    trainer = _trainer(kind, out_dir, bf16)
+    if patch_when == "after":
+        ct.patch()
+    trainer.train()
+    if ct.is_patched():
+        ct.unpatch()
+    timings = ("runtime", "time", "per_second", "total_flos")
+    logs = [
+        {k: v for k, v in h.items() if isinstance(v, float) and not any(t in k for t in timings)}
+        for h in trainer.state.log_history
+    ]
+    return logs, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "kind,patch_when,bf16",
+    [
+        ("sft", "before", False),
+        ("sft", "after", False),
+        ("dpo", "before", False),
+        ("kto", "after", False),
+        ("grpo", "before", False),
+        ("sft", "before", True),
+    ],
+)
+def test_trainer_logs_and_parameters_equal_trls_head(kind, patch_when, bf16, tmp_path):
+    """float32: the same numbers to float32 rounding. bf16 autocast (TRL's default on CPU): both round the logits and
+    the logit gradients to bf16, in different orders, so the metrics agree to bf16's resolution (2**-8)."""
+    rel, params_tol = (2e-3, 2e-3) if bf16 else (1e-4, 1e-5)
+    want_logs, want_params = _train(kind, tmp_path / "trl", None, bf16)
+    got_logs, got_params = _train(kind, tmp_path / "cce", patch_when, bf16)
+    assert len(got_logs) == len(want_logs)
+    for got, want in zip(got_logs, want_logs):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert math.isclose(got[key], want[key], rel_tol=rel, abs_tol=rel * 0.1), (key, got[key], want[key])
+    if kind == "sft":  # the metrics the fused head feeds
+        assert any("mean_token_accuracy" in h and "entropy" in h for h in got_logs)
+    for p, q in zip(got_params, want_params):
+        torch.testing.assert_close(p, q, rtol=params_tol, atol=params_tol)
