@@ -246,6 +246,7 @@ def forward_candidates(
     softcap: bool = False,
     aligned: bool = True,
     lean: bool = False,
+    heavy: bool = False,
 ) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
@@ -255,7 +256,9 @@ def forward_candidates(
     async loads and more address registers, so 256-wide vocab tiles are dropped.
     ``lean``: the kernel skips the SUM / ENTROPY statistics (the cross-entropy without label
     smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
-    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90."""
+    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90.
+    ``heavy``: the row outputs' ARGMAX / SUMSQ too (two more running values and a per-tile argmax): tiles of more
+    than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs")."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
     bd = 64 if dtype != torch.float32 else 32
@@ -290,6 +293,10 @@ def forward_candidates(
             FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
+    if heavy and props.mma in ("wgmma", "tcgen05"):
+        cands = [c for c in cands if c.block_n * c.block_v <= 64 * 128]
+    elif heavy:  # mma.sync: the accumulator in registers too; 8 warps over 64x64 (64x128 and 4-warp 64x64 spill)
+        cands = [FwdConfig(64, 64, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3)]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 

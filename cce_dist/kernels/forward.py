@@ -133,8 +133,9 @@ def _row_stats_kernel(
         tile_m = tl.max(z_m, axis=1)
         new_m = tl.maximum(m, tile_m)
         if NEED_ARGMAX:  # the tile's lowest id of its max; tiles come in increasing ids, so a tie keeps the earlier
-            tile_arg = tl.min(tl.where(z_m == tile_m[:, None], offs_v[None, :], V), axis=1)
-            am = tl.where(tile_m > m, tile_arg + vocab_start, am)
+            lane = tl.arange(0, BLOCK_V)  # int32 lanes: half the registers of the int64 offsets
+            tile_arg = tl.min(tl.where(z_m == tile_m[:, None], lane[None, :], BLOCK_V), axis=1)
+            am = tl.where(tile_m > m, v0 + vocab_start + tile_arg, am)
         # Re-express the running sums relative to new_m. m = -inf only before the first tile,
         # where s = e = 0: take scale = 0 and shift = 0 there (avoid 0 * inf = nan).
         first = m == float("-inf")
@@ -253,6 +254,7 @@ def plan(
             has_softcap,
             _rows_aligned(hidden, weight),
             lean=not (need_sum or need_entropy or need_argmax or need_sumsq),
+            heavy=need_argmax or need_sumsq,
         )
 
     def splits_of(c: _config.FwdConfig) -> int:
