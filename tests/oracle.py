@@ -1,4 +1,5 @@
-"""The materialized reference that every cce_dist implementation is tested against.
+"""The materialized references that every cce_dist implementation is tested against (the one oracle module:
+test modules import these, never a reference from another test module).
 
 This is the program of docs/design.md ("What it computes") written plainly in PyTorch: the full
 ``[N, V]`` logits are formed with ``F.linear``, then softcap, temperature, ``F.cross_entropy``
@@ -35,6 +36,19 @@ Public functions::
     oracle_logprobs(hidden, weight, targets, bias=None, *, ignore_index=-100, softcap=None,
                     temperature=1.0, shift=False, dtype=torch.float32, return_entropy=False,
                     contract=None)
+    oracle_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, targets=None, *,
+                   divergence="kl", beta=0.5, temperature=1.0, scale_by_temperature_squared=True,
+                   hard_label_weight=0.0, ignore_index=-100, reduction="mean", student_bias=None,
+                   teacher_bias=None, softcap=None, student_dtype=torch.float64,
+                   teacher_dtype=torch.float64, student_contract=None)
+
+``oracle_distill`` is the reference of ``cce_dist.linear_distillation``: it forms both heads' full
+``[N, V]`` logits with ``F.linear`` in each head's projection dtype (float64 by default: the exact
+formula; ``torch.bfloat16`` gives the logits a bf16 materialized program would round to), then
+everything in float64: softcap, temperature, ``log_softmax``, the divergence, ``T**2``, the
+hard-label ``F.cross_entropy``, ``ignore_index``, the reduction. The teacher's tensors are detached,
+so the same call gives the reference gradients of the student's hidden, weight and bias. Its checks
+against independent formulas (PyTorch's ``kl_div``, JSD's limits) are tests/test_distill_oracle.py.
 
 Shapes follow cce_dist: ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]``,
 ``targets [...] == hidden.shape[:-1]`` (integer ids in ``[0, V)`` or ``ignore_index``).
@@ -43,12 +57,14 @@ Outputs are float32 and have targets' shape (or are scalars for ``mean``/``sum``
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
-__all__ = ["oracle_logits", "shift_targets", "oracle_cross_entropy", "oracle_logprobs"]
+__all__ = ["oracle_logits", "shift_targets", "oracle_cross_entropy", "oracle_logprobs", "oracle_distill"]
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -179,3 +195,88 @@ def oracle_logprobs(
     ent = -(logp.exp() * logp).sum(-1)
     ent = torch.where(valid, ent, zero).reshape(t.shape)
     return lp, ent
+
+
+def _distill_logits(h, w, b, cap, temperature, dtype, contract=None):
+    """One head's raw (softcapped) logits and soft logits ``/ temperature``, float64."""
+    if contract is None:
+        z = F.linear(h.to(dtype), w.to(dtype), None if b is None else b.to(dtype)).double()
+    else:  # the module docstring's contract: the values rounded to ``contract``, gradients straight through
+        z = _rounded(F.linear(*(_rounded(x, contract) for x in (h, w, b))), contract)
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z, z / temperature
+
+
+def oracle_distill(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    targets: Tensor | None = None,
+    *,
+    divergence: str = "kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    scale_by_temperature_squared: bool = True,
+    hard_label_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    softcap=None,
+    student_dtype: torch.dtype = torch.float64,
+    teacher_dtype: torch.dtype = torch.float64,
+    student_contract: torch.dtype | None = None,
+) -> Tensor:
+    """float64 loss of the materialized two-head program (keywords as in ``linear_distillation``).
+
+    ``student_contract`` (with float64 student tensors and ``student_dtype=torch.float64``): the student's
+    inputs and raw logits take the values of their rounding to that dtype, gradients passed straight through
+    (``contract`` of the module docstring)."""
+    caps = softcap if isinstance(softcap, tuple) else (softcap, softcap)
+    d = student_hidden.shape[-1]
+    z1, zs = _distill_logits(
+        student_hidden.reshape(-1, d),
+        student_weight,
+        student_bias,
+        caps[0],
+        temperature,
+        student_dtype,
+        student_contract,
+    )
+    tb = None if teacher_bias is None else teacher_bias.detach()
+    _, zt = _distill_logits(
+        teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
+        teacher_weight.detach(),
+        tb,
+        caps[1],
+        temperature,
+        teacher_dtype,
+    )
+    ls, lt = zs.log_softmax(-1), zt.log_softmax(-1)
+    if divergence == "kl":
+        div = (lt.exp() * (lt - ls)).sum(-1)
+    elif divergence == "reverse_kl":
+        div = (ls.exp() * (ls - lt)).sum(-1)
+    elif divergence == "jsd":
+        lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))  # log(beta p_t + (1-beta) p_s)
+        div = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    else:
+        raise ValueError(divergence)
+    t2 = temperature**2 if scale_by_temperature_squared else 1.0
+    rows = (1.0 - hard_label_weight) * t2 * div
+    n = rows.shape[0]
+    if targets is None:
+        valid = torch.ones(n, dtype=torch.bool)
+    else:
+        t = targets.reshape(-1).long()
+        valid = t != ignore_index
+        if hard_label_weight:
+            rows = rows + hard_label_weight * F.cross_entropy(z1, t, ignore_index=ignore_index, reduction="none")
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    if reduction == "none":
+        return rows.reshape(student_hidden.shape[:-1])
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / valid.sum().clamp(min=1)

@@ -1,4 +1,4 @@
-"""linear_distillation on one device against the float64 materialized oracle (tests/test_distill_oracle.py).
+"""linear_distillation on one device against the float64 materialized oracle (tests/oracle.py).
 
 Every case compares the loss and every student gradient (hidden, weight, bias); the teacher must
 get none. Shapes are tiny (N=12, D_s=8, D_t=12, V=11) and ``chunk_size`` small, so each call runs
@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from test_distill_oracle import oracle_distill
+from oracle import oracle_distill
 
 from cce_dist import DistillationOptions, InputError, linear_distillation  # noqa: F401 (InputError: API check)
 

@@ -1,5 +1,5 @@
 """linear_distillation on a vocab-parallel group (gloo ranks spawned from pytest) against the
-single-device float64 oracle (tests/test_distill_oracle.py).
+single-device float64 oracle (tests/oracle.py).
 
 Every rank builds the same full problem from one seed (both heads ``[V, D]`` with biases,
 hidden states of different sizes, targets, upstream gradients), keeps its rows ``[start, stop)``
@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_distill_oracle import oracle_distill
+from oracle import oracle_distill
 
 from cce_dist import VocabShard, linear_distillation
 

@@ -1,7 +1,7 @@
 """Regression tests for the ``linear_distillation`` defects of issue 21.
 
 Each test compares against the plain materialized program (``F.linear`` logits, the divergence
-formed with torch ops; :func:`test_distill_oracle.oracle_distill` in float64 unless said) on both
+formed with torch ops; :func:`oracle.oracle_distill` (tests/oracle.py) in float64 unless said) on both
 implementations (``impl="triton"`` runs in Triton's interpreter without a GPU; shapes stay tiny).
 """
 
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_distill_oracle import oracle_distill
+from oracle import oracle_distill
 
 from cce_dist import linear_distillation
 

@@ -1,5 +1,5 @@
 """linear_distillation(impl="triton") (cce_dist/kernels/distill.py) against the float64 materialized oracle
-(tests/test_distill_oracle.py) and against impl="torch".
+(tests/oracle.py) and against impl="torch".
 
 Without a GPU the kernels run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET
 before triton is imported), whose 16 x 32 tiles with 16-wide D chunks make these tiny shapes cover
@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from test_distill_oracle import oracle_distill
+from oracle import oracle_distill
 
 pytest.importorskip("triton")
 

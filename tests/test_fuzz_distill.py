@@ -8,7 +8,7 @@ all of them ``ignore_index``, an in-vocab one included), ``scale_by_temperature_
 chunk sizes and the grad-in-forward schedule (torch), ``deterministic`` (triton), random subsets of the
 student's tensors requiring grad, and the upstream gradient: random, zero, ``inf`` on ignored rows only
 (``reduction="none"``), or ``inf`` everywhere. It checks the loss and every student gradient (dH, dW, db)
-against ``oracle_distill`` (``tests/test_distill_oracle.py``: both heads' logits formed with ``F.linear``,
+against ``oracle_distill`` (``tests/oracle.py``: both heads' logits formed with ``F.linear``,
 everything after in float64).
 
 The judge is ``tests/test_fuzz.py``'s: the reference is the materialized program *in the heads' own dtypes*
@@ -50,8 +50,7 @@ import math
 
 import pytest
 import torch
-from oracle import oracle_logits
-from test_distill_oracle import oracle_distill
+from oracle import oracle_distill, oracle_logits
 from test_fuzz import (
     CHECKED,
     DTYPES,
