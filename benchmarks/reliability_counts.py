@@ -9,9 +9,9 @@ Runs ``pytest`` in this process on ``tests/test_fuzz.py`` and ``tests/test_fuzz_
 and counts from what actually ran, never from constants alone:
 
 - fuzzed cases: ``tests/test_fuzz.py`` counts every case it checked against the oracle and found
-  right (``test_fuzz.CHECKED``, by property family: torch / triton-interpreter cross-entropy and
-  logprobs, sharded torch / triton on 3 gloo ranks; ``tests/test_fuzz_distill.py`` adds torch /
-  triton-interpreter distillation per divergence);
+  right (``fuzz_common.CHECKED``, tests/fuzz_common.py, by property family: torch /
+  triton-interpreter cross-entropy and logprobs, sharded torch / triton on 3 gloo ranks;
+  ``tests/test_fuzz_distill.py`` adds torch / triton-interpreter distillation per divergence);
 - faults injected on a process group: the case lists of ``tests/test_faults.py``
   (``ERROR_CASES``, ``NONFINITE_CASES``, ``DEATHS``, ``STALLS``, the head-dtype case), each counted
   only when the test that injects it passed;
@@ -74,9 +74,8 @@ class _Recorder:
 
 def _count(rec: _Recorder) -> dict:
     counts: dict[str, Any] = {}
-    fuzz = rec.modules.get("test_fuzz")
-    if fuzz is None and "test_fuzz_distill" in rec.modules:
-        fuzz = sys.modules.get("test_fuzz")  # imported by test_fuzz_distill, which counts into its CHECKED
+    # both fuzz modules count into the CHECKED of the module they import it from
+    fuzz = sys.modules.get("fuzz_common") if {"test_fuzz", "test_fuzz_distill"} & set(rec.modules) else None
     if fuzz is not None:
         checked = dict(sorted(fuzz.CHECKED.items()))
         counts["fuzz_cases_by_family"] = checked

@@ -11,15 +11,15 @@ student's tensors requiring grad, and the upstream gradient: random, zero, ``inf
 against ``oracle_distill`` (``tests/oracle.py``: both heads' logits formed with ``F.linear``,
 everything after in float64).
 
-The judge is ``tests/test_fuzz.py``'s: the reference is the materialized program *in the heads' own dtypes*
-(``oracle_distill(..., student_dtype=, teacher_dtype=)``: each projection rounded to its head's compute
-dtype as the contract says, then float64; its autograd rounds the logits' gradient to the student's
-dtype before the dH / dW GEMMs, as a materialized low-precision backward does), with
-``grad_tol`` / ``store_rounding_tol`` (a few units of that dtype's resolution at the gradient's scale);
-an output outside that tolerance still passes when it is no farther from the unrounded float64 program
-than the same-dtype program is, within 2x (``grad_report``: sums of cancelling terms, and logits one
-rounding apart). The loss is judged the same way, with a float32 tolerance that grows with the soft
-logits' range (``|log p|``, which every divergence term carries).
+The judge is ``tests/test_fuzz.py``'s (``grad_report`` and its tolerances, in ``tests/fuzz_common.py``): the
+reference is the materialized program *in the heads' own dtypes* (``oracle_distill(..., student_dtype=,
+teacher_dtype=)``: each projection rounded to its head's compute dtype as the contract says, then float64; its
+autograd rounds the logits' gradient to the student's dtype before the dH / dW GEMMs, as a materialized
+low-precision backward does), with ``grad_tol`` / ``store_rounding_tol`` (a few units of that dtype's resolution at
+the gradient's scale); an output outside that tolerance still passes when it is no farther from the unrounded
+float64 program than the same-dtype program is, within 2x (``grad_report``: sums of cancelling terms, and logits one
+rounding apart). The loss is judged the same way, with a float32 tolerance that grows with the soft logits' range
+(``|log p|``, which every divergence term carries).
 
 Masked tokens (as ``cce_dist/distill_torch.py``'s module docstring documents them). A ``-inf`` bias entry
 without a softcap on that head is a masked token (probability 0). The materialized program gives NaN there
@@ -39,7 +39,7 @@ Upstream gradients: ignored rows get exactly zero gradient whatever the upstream
 only the ignored rows' dH is checked (zero).
 
 Budget (as ``tests/test_fuzz.py``): CI runs a fixed, derandomized number of examples per property;
-``CCE_FUZZ_EXAMPLES=N`` runs N fresh ones. Families counted in ``test_fuzz.CHECKED`` (read by
+``CCE_FUZZ_EXAMPLES=N`` runs N fresh ones. Families counted in ``fuzz_common.CHECKED`` (read by
 ``python -m benchmarks.reliability_counts --suites fuzz``): ``torch distillation <divergence>`` and
 ``triton distillation <divergence>`` (the interpreter; its shapes are the smallest).
 """
@@ -50,8 +50,7 @@ import math
 
 import pytest
 import torch
-from oracle import oracle_distill, oracle_logits
-from test_fuzz import (
+from fuzz_common import (
     CHECKED,
     DTYPES,
     EPS,
@@ -63,6 +62,7 @@ from test_fuzz import (
     needs_triton,
     store_rounding_tol,
 )
+from oracle import oracle_distill, oracle_logits
 
 hyp = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
