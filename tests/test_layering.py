@@ -1,4 +1,6 @@
-"""Module boundaries of cce_dist: one-way imports, no private name across modules, backends that satisfy the protocol.
+"""Module boundaries of cce_dist: one-way imports, no private name across modules, backends that satisfy the protocol;
+and of the test suite: no test module imports another (what they share lives in tests/helpers.py, tests/oracle.py and
+the other non-test modules of tests/).
 
 Read from the source (``ast``), so every import counts, also those inside functions (lazy imports still make a
 cycle for a reader and for refactoring tools).
@@ -18,6 +20,7 @@ from cce_dist.backend import Backend
 from cce_dist.prepare import backend_kwargs
 
 PKG = Path(cce_dist.__file__).parent
+TESTS = Path(__file__).parent
 
 
 def _imports(path: Path):
@@ -76,6 +79,23 @@ def test_imports_are_one_way():
     for mod in sorted(graph):
         if mod not in state:
             visit(mod, [mod])
+
+
+def test_no_test_module_imports_another():
+    """A test module imports shared code from a non-test module (helpers, oracle, fuzz_common, ...), never from
+    another ``test_*`` module: importing one runs its module-level setup (skips, marks) in the importer, and a test
+    function imported by name is collected twice."""
+    bad = []
+    for p in sorted(TESTS.glob("test_*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{p.name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0].startswith("test_")]
+    assert not bad, "move what is shared into a non-test module of tests/ (helpers.py, oracle.py, ...): " + str(bad)
 
 
 def _backends():
