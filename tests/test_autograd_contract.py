@@ -23,9 +23,12 @@ ops of cce_dist/compile.py) and on a 2-rank gloo tensor-parallel group, and chec
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from dist_utils import run_ranks
+from helpers import problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 from torch.utils.checkpoint import checkpoint
 
@@ -82,25 +85,12 @@ def objective(path, h, w, t, b=None, *, impl="torch", shard=None, oracle=False):
     raise AssertionError(path)
 
 
-def make_problem(n=N, d=D, v=V, seed=0, bias=True, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g, dtype=dtype)
-    w = (torch.randn(v, d, generator=g) / max(d, 1) ** 0.5).to(dtype)
-    b = (0.1 * torch.randn(v, generator=g)).to(dtype) if bias else None
-    t = torch.randint(0, v, (n,), generator=g)
-    t[1] = -100
-    return h, w, t, b
+# N tokens (the second ignored), D, V; weight / sqrt(D), bias * 0.1; requires_grad=True gives leaves
+_problem = functools.partial(problem, n=N, d=D, v=V, w_scale=D**-0.5, b_scale=0.1, ignore=(1,))
 
 
 def _leaves(*ts):
     return [None if x is None else x.detach().clone().requires_grad_(True) for x in ts]
-
-
-def leaf_problem(**kw):
-    """``make_problem`` with hidden, weight and bias as fresh leaves that require grad."""
-    h, w, t, b = make_problem(**kw)
-    h, w, b = _leaves(h, w, b)
-    return h, w, t, b
 
 
 def oracle_grads(path, h, w, t, b):
@@ -121,7 +111,7 @@ def oracle_grads(path, h, w, t, b):
 def test_second_order_gradients_raise(path, impl):
     """A gradient penalty needs d/dh of the gradient: every path refuses create_graph=True with a clear error (today
     the default path returned a gradient without requires_grad, silently dropping the penalty's second-order term)."""
-    h, w, t, b = leaf_problem()
+    h, w, b, t = _problem(requires_grad=True)
     out = objective(path, h, w, t, b, impl=impl)
     with pytest.raises(RuntimeError, match=SECOND_ORDER):
         torch.autograd.grad(out, (h,), create_graph=True)
@@ -139,7 +129,7 @@ def test_second_order_gradients_raise_under_compile(backend):
     without grad mode, and torch's own error ("does not currently support double backward") is raised as soon as
     the second-order graph is differentiated, so the penalty never silently loses its term either way."""
     torch._dynamo.reset()
-    h, w, t, b = leaf_problem()
+    h, w, b, t = _problem(requires_grad=True)
 
     @torch.compile(fullgraph=True, backend=backend)
     def loss_fn(h, w, t, b):
@@ -181,7 +171,7 @@ def _oracle_tanh_grads(path, h, w, t, b):
 def test_activation_checkpointing(path, impl, reentrant):
     """Checkpointing the region that ends in the loss gives the oracle's value and gradients (non-reentrant
     checkpointing unpacks each saved tensor once: backward must read ctx.saved_tensors only once)."""
-    h, w, t, b = make_problem()
+    h, w, b, t = _problem()
     got = _checkpointed_grads(path, h, w, t, b, impl, reentrant)
     ref = _oracle_tanh_grads(path, h, w, t, b)
     for name, x, y in zip(("value", "d_hidden", "d_weight", "d_bias"), got, ref):
@@ -301,12 +291,7 @@ def test_fused_holds_gradients_in_their_own_dtype_except_fp16(dtype_name):
     gradient can overflow or underflow), in the tensor's own dtype otherwise (a bf16 head holds bf16: half the bytes
     of float32). Counts the held bytes on the graph node, then checks the gradients against the float64 oracle."""
     hdt, wdt = DTYPES[dtype_name]
-    g = torch.Generator().manual_seed(9)
-    h0 = torch.randn(N, D, generator=g).to(hdt)
-    w0 = (torch.randn(V, D, generator=g) / D**0.5).to(wdt)
-    b0 = (0.1 * torch.randn(V, generator=g)).to(wdt)
-    t = torch.randint(0, V, (N,), generator=g)
-    t[3] = -100
+    h0, w0, b0, t = _problem(dtype=hdt, weight_dtype=wdt, ignore=(3,), seed=9)
     h, w, b = (x.clone().requires_grad_(True) for x in (h0, w0, b0))
     loss = objective("mean", h, w, t, b, impl="torch")  # a scalar loss: the gradients are formed in forward
     held = loss.grad_fn.held.grads  # the FusedCrossEntropy node holds the gradients formed in forward (HeldGradients)
@@ -354,7 +339,7 @@ def _zero_dim_check(got, ref, h, w, b):
 def test_zero_hidden_size(path, impl, bias):
     """D = 0: the logits are the bias (or 0), so the loss is the oracle's (log V without a bias); today a reshape of
     the empty hidden states raised 'cannot reshape tensor of 0 elements'."""
-    h, w, t, b = leaf_problem(d=0, bias=bias)
+    h, w, b, t = _problem(d=0, bias=bias, requires_grad=True)
     out = objective(path, h, w, t, b, impl=impl)
     out.backward()
     ref = oracle_grads(path, h.detach(), w.detach(), t, None if b is None else b.detach())
@@ -363,7 +348,7 @@ def test_zero_hidden_size(path, impl, bias):
 
 def test_zero_hidden_size_compiled():
     torch._dynamo.reset()
-    h, w, t, b = leaf_problem(d=0)
+    h, w, b, t = _problem(d=0, requires_grad=True)
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def fn(h, w, t, b):
@@ -392,7 +377,7 @@ def _tp_body(rank, world, group, cases):
         name = f"{what}:{path}:{impl}:{arg}"
         try:
             d = 0 if what == "zero_dim" else D
-            h, w, t, b = make_problem(d=d)
+            h, w, b, t = _problem(d=d)
             shard = VocabShard.even(V, group)
             sl = slice(shard.start, shard.stop)
             if what == "second_order":

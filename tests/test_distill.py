@@ -7,10 +7,12 @@ several token chunks (the chunk boundary is where a per-chunk bug would show).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
+from helpers import distill_problem
 from oracle import oracle_distill
 
 from cce_dist import DistillationOptions, InputError, linear_distillation  # noqa: F401 (InputError: API check)
@@ -24,21 +26,9 @@ CHUNK = V * 5  # 5 tokens per chunk: chunks of 5, 5, 2 tokens
 F32 = dict(rtol=2e-5, atol=2e-6)
 
 
-def make(seed=0, s_dtype=torch.float32, t_dtype=torch.float32, bias=True, ignore=True, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, dtype):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-    sh = r(*N_SHAPE, DS, dtype=s_dtype).requires_grad_()
-    sw = r(V, DS, dtype=s_dtype).requires_grad_()
-    sb = r(V, dtype=s_dtype).requires_grad_() if bias else None
-    th, tw = r(*N_SHAPE, DT, dtype=t_dtype), r(V, DT, dtype=t_dtype)
-    tb = r(V, dtype=t_dtype) if bias else None
-    t = torch.randint(0, V, N_SHAPE, generator=g)
-    if ignore:
-        t[0, 1] = t[2, 3] = -100
-    return sh, sw, sb, th, tw, tb, t
+IGNORED = ((0, 1), (2, 3))  # two ignored tokens
+# every tensor randn * scale; the student's hidden, weight and bias are leaves that require grad
+_problem = functools.partial(distill_problem, N_SHAPE, DS, DT, V, ignore=IGNORED, requires_grad=True)
 
 
 def student_grads(loss, sh, sw, sb, upstream=None):
@@ -58,7 +48,9 @@ def compare(
     ignore=True,
     no_targets=False,
 ):
-    sh, sw, sb, th, tw, tb, t = make(seed, s_dtype, t_dtype, bias, ignore)
+    sh, sw, sb, th, tw, tb, t = _problem(
+        seed=seed, student_dtype=s_dtype, teacher_dtype=t_dtype, bias=bias, ignore=IGNORED if ignore else ()
+    )
     targets = None if no_targets else t
     out = linear_distillation(sh, sw, th, tw, targets, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
     okw = {k: v for k, v in kw.items() if k not in ("grad_in_forward", "impl")}
@@ -119,7 +111,7 @@ def test_no_targets_no_bias(div):
 def test_large_logits_stay_exact():
     """Logits of magnitude ~100: every term is formed relative to the global lse (no cancellation)."""
     for div in ("kl", "reverse_kl", "jsd"):
-        sh, sw, sb, th, tw, tb, t = make(3, scale=3.5)
+        sh, sw, sb, th, tw, tb, t = _problem(seed=3, scale=3.5)
         out = linear_distillation(
             sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence=div, chunk_size=CHUNK, reduction="none"
         )
@@ -139,7 +131,7 @@ def test_low_precision_heads(s_dtype, t_dtype, div):
     accumulation (tight). The gradients come back in bf16, rounded once (2**-8 relative) after
     bf16 GEMMs on both sides: 2e-2 of the gradient's scale."""
     kw = dict(divergence=div, temperature=2.0, hard_label_weight=0.3, softcap=(5.0, 6.0))
-    sh, sw, sb, th, tw, tb, t = make(5, s_dtype, t_dtype)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=5, student_dtype=s_dtype, teacher_dtype=t_dtype)
     out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)
     ref = oracle_distill(
         sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, student_dtype=s_dtype, teacher_dtype=t_dtype, **kw
@@ -153,7 +145,7 @@ def test_low_precision_heads(s_dtype, t_dtype, div):
 
 def test_bf16_hidden_fp32_heads():
     """bf16 activations with float32 heads: computed in float32, gradient back in bf16."""
-    sh, sw, sb, th, tw, tb, t = make(6)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=6)
     sh = sh.detach().bfloat16().requires_grad_()
     th = th.bfloat16()
     out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, divergence="jsd")
@@ -166,7 +158,7 @@ def test_bf16_hidden_fp32_heads():
 
 
 def test_teacher_gets_no_gradient_and_inputs_untouched():
-    sh, sw, sb, th, tw, tb, t = make(8)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=8)
     th.requires_grad_()
     tw.requires_grad_()
     tb.requires_grad_()
@@ -192,7 +184,7 @@ def test_teacher_gets_no_gradient_and_inputs_untouched():
 
 
 def test_all_ignored_mean_is_zero_with_zero_grads():
-    sh, sw, sb, th, tw, tb, t = make(9)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=9)
     t.fill_(-100)
     for gif in (None, False):
         loss = linear_distillation(
@@ -204,7 +196,7 @@ def test_all_ignored_mean_is_zero_with_zero_grads():
 
 
 def test_forward_only_no_grad():
-    sh, sw, sb, th, tw, tb, t = make(10)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=10)
     with torch.no_grad():
         out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence="reverse_kl")
     ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, divergence="reverse_kl")
@@ -212,7 +204,7 @@ def test_forward_only_no_grad():
 
 
 def test_fused_single_backward_and_recompute_twice():
-    sh, sw, sb, th, tw, tb, t = make(11)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=11)
     loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="grad_in_forward=False"):
@@ -274,13 +266,13 @@ def test_saved_tensors_hold_no_logits_block():
 def test_option_errors(kw, exc, match):
     with pytest.raises(exc, match=match):
         DistillationOptions(**kw)
-    sh, sw, sb, th, tw, tb, t = make()
+    sh, sw, sb, th, tw, tb, t = _problem()
     with pytest.raises(exc, match=match):
         linear_distillation(sh, sw, th, tw, t, **kw)
 
 
 def test_input_errors():
-    sh, sw, sb, th, tw, tb, t = make()
+    sh, sw, sb, th, tw, tb, t = _problem()
     cases = [
         (dict(teacher_weight=tw[:-1]), "teacher_weight.shape\\[0\\]"),
         (dict(teacher_hidden=th[:, :-1]), "teacher_hidden.shape\\[:-1\\]"),
@@ -338,7 +330,7 @@ def test_autocast_projects_both_heads_in_the_autocast_dtype():
     under autocast computes); everything after is float32, gradients come back float32. The loss
     is then exact up to float32 accumulation; gradients pass through bf16 GEMMs on both sides
     (2**-8 relative rounding): 2e-2 of their scale."""
-    sh, sw, sb, th, tw, tb, t = make(12)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=12)
     kw = dict(divergence="reverse_kl", temperature=1.5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, chunk_size=CHUNK, **kw)

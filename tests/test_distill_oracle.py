@@ -8,21 +8,28 @@ import math
 
 import torch
 import torch.nn.functional as F
+from helpers import distill_problem
 from oracle import oracle_distill
 
 
-def _inputs(seed=0, n=6, ds=5, dt=7, v=9):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(n, ds, generator=g, dtype=torch.float64),
-        torch.randn(v, ds, generator=g, dtype=torch.float64),
-        torch.randn(n, dt, generator=g, dtype=torch.float64),
-        torch.randn(v, dt, generator=g, dtype=torch.float64),
+def _inputs(seed):
+    """float64 student and teacher hidden states and heads, no biases."""
+    p = distill_problem(
+        6,
+        5,
+        7,
+        9,
+        bias=False,
+        draw_dtype=torch.float64,
+        student_dtype=torch.float64,
+        teacher_dtype=torch.float64,
+        seed=seed,
     )
+    return p.student_hidden, p.student_weight, p.teacher_hidden, p.teacher_weight
 
 
 def test_oracle_kl_is_pytorch_kl_div_times_t_squared():
-    sh, sw, th, tw = _inputs()
+    sh, sw, th, tw = _inputs(0)
     temp = 2.5
     ls = F.log_softmax(sh @ sw.T / temp, -1)
     lt = F.log_softmax(th @ tw.T / temp, -1)

@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 from dist_utils import run_ranks
+from helpers import distill_problem
 from oracle import oracle_distill
 
 from cce_dist import VocabShard, linear_distillation
@@ -34,13 +35,9 @@ TOL = dict(rtol=3e-5, atol=3e-6)
 
 
 def _problem(seed: int):
+    """The full problem (both heads with biases, two ignored tokens) and, drawn next, a per-token upstream gradient."""
     g = torch.Generator().manual_seed(seed)
-    sh, sw, sb = torch.randn(N, DS, generator=g), torch.randn(V, DS, generator=g), torch.randn(V, generator=g)
-    th, tw, tb = torch.randn(N, DT, generator=g), torch.randn(V, DT, generator=g), torch.randn(V, generator=g)
-    t = torch.randint(0, V, (N,), generator=g)
-    t[2] = t[7] = -100
-    up = torch.randn(N, generator=g)
-    return sh, sw, sb, th, tw, tb, t, up
+    return (*distill_problem(N, DS, DT, V, ignore=(2, 7), seed=g), torch.randn(N, generator=g))
 
 
 def _cases():

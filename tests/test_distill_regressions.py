@@ -7,12 +7,14 @@ implementations (``impl="triton"`` runs in Triton's interpreter without a GPU; s
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import distill_problem
 from oracle import oracle_distill
 
 from cce_dist import linear_distillation
@@ -22,19 +24,10 @@ DIVS = ["kl", "reverse_kl", "jsd"]
 N, DS, DT, V = 10, 8, 12, 11  # V = 11: a ragged vocab tile in the kernels
 
 
-def make(seed=0, n=N, v=V, s_dtype=torch.float32, t_dtype=torch.float32, scale=1.0, bias=True):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, dtype, s=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype)
-
-    sh = r(n, DS, dtype=s_dtype, s=scale).requires_grad_()
-    sw = r(v, DS, dtype=s_dtype, s=0.5).requires_grad_()
-    sb = r(v, dtype=s_dtype).requires_grad_() if bias else None
-    th, tw = r(n, DT, dtype=t_dtype, s=scale), r(v, DT, dtype=t_dtype, s=0.5)
-    tb = r(v, dtype=t_dtype) if bias else None
-    t = torch.randint(0, v, (n,), generator=g)
-    return sh, sw, sb, th, tw, tb, t
+# float64 draws: hidden states * 1, both heads * 0.5, biases * 1; the student's tensors are leaves that require grad
+_problem = functools.partial(
+    distill_problem, n=N, ds=DS, dt=DT, v=V, weight_scale=0.5, draw_dtype=torch.float64, requires_grad=True
+)
 
 
 def _ins(sh, sw, sb):
@@ -53,7 +46,7 @@ def _ins(sh, sw, sb):
 def test_all_ignored_with_infinite_upstream_gives_zero_gradients(impl, div, path, reduction):
     """``loss / num_items_in_batch`` with ``num_items_in_batch = 0``: upstream inf. The plain program's
     ignored rows get exactly zero gradient whatever the upstream value (``torch.where`` selects them out)."""
-    sh, sw, sb, th, tw, tb, t = make()
+    sh, sw, sb, th, tw, tb, t = _problem()
     t[:] = -100
     kw = dict(divergence=div, reduction=reduction, hard_label_weight=0.3, impl=impl)
     kw["grad_in_forward"] = path == "fused"
@@ -72,7 +65,7 @@ def test_all_ignored_with_infinite_upstream_gives_zero_gradients(impl, div, path
 @pytest.mark.parametrize("upstream", [math.inf, math.nan])
 def test_ignored_rows_stay_zero_under_a_non_finite_upstream(impl, upstream):
     """Some rows counted: the ignored rows' hidden gradient is still exactly 0 (the plain program's)."""
-    sh, sw, sb, th, tw, tb, t = make()
+    sh, sw, sb, th, tw, tb, t = _problem()
     t[[1, 4, 7]] = -100
     loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl)
     (dh,) = torch.autograd.grad(loss, [sh], grad_outputs=torch.tensor(upstream))
@@ -96,7 +89,7 @@ def test_hard_label_gradient_at_small_temperature(impl, temperature, div):
     relative in each p1) and 32000-term float32 sums: 1e-4 per entry, 1e-5 of the largest entry absolute
     (the old torch path was off by 6% at T=0.05)."""
     v = 2000 if impl == "triton" else 32000  # the interpreter: smaller, still most of the mass underflows
-    sh, sw, sb, th, tw, tb, t = make(seed=1, n=4, v=v, scale=2.0)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=1, n=4, v=v, hidden_scale=2.0)
     kw = dict(divergence=div, temperature=temperature, hard_label_weight=1.0, reduction="sum")
     loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, **kw)
     ref = oracle_distill(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, **kw)
@@ -119,7 +112,7 @@ def test_hard_label_gradient_at_small_temperature(impl, temperature, div):
     ids=["default", "no_fused", "none", "sum"],
 )
 def test_create_graph_is_refused(impl, kw):
-    sh, sw, sb, th, tw, tb, t = make()
+    sh, sw, sb, th, tw, tb, t = _problem()
     loss = linear_distillation(sh, sw, th, tw, t, student_bias=sb, teacher_bias=tb, impl=impl, **kw)
     if loss.dim():
         loss = loss.sum()
@@ -151,7 +144,7 @@ def test_fp16_student_under_loss_scaling(impl, log2_scale):
     its per-row upstream gradient 2**k / N is a power of two, so only the logit gradients' rounding to fp16
     before the products differs, where they are subnormal at one of the two scales)."""
     n = 2048
-    sh, sw, sb, th, tw, tb, t = make(seed=2, n=n, s_dtype=torch.float16, scale=0.5)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=2, n=n, student_dtype=torch.float16, hidden_scale=0.5)
     scale = 2.0**log2_scale
     got, rows = (
         torch.autograd.grad(
@@ -179,7 +172,7 @@ def test_fp16_student_under_loss_scaling(impl, log2_scale):
 
 
 def _masked(head, div, impl, reduction="none", hard=0.0):
-    sh, sw, sb, th, tw, tb, t = make(seed=3)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=3)
     masked_b = (sb if head == "student" else tb).detach().clone()
     masked_b[[2, 7]] = -math.inf
     t[t == 2] = 0
@@ -242,7 +235,7 @@ def test_triton_kernels_raise_no_floating_point_warning(div, temperature):
     """Masked (-inf bias) tokens (one in both heads) and a ragged vocab tile (V = 11): the interpreter's numpy
     warns on ``inf - inf`` / ``0 * inf`` in lanes the kernels discard (RuntimeWarning, an error under ``-W error``).
     The loss and gradients are finite and those of the materialized program's limit (-1e4 for -inf)."""
-    sh, sw, sb, th, tw, tb, t = make(seed=4)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=4)
     s_mask, t_mask = FINITE_MASKS[div]
     with torch.no_grad():
         sb[s_mask] = -math.inf

@@ -10,10 +10,12 @@ vocab splits.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
+from helpers import distill_problem
 from oracle import oracle_distill
 
 pytest.importorskip("triton")
@@ -35,20 +37,19 @@ F32 = dict(rtol=2e-5, atol=2e-6)
 SAME = dict(rtol=1e-5, atol=1e-6)
 
 
-def make(seed=0, s_dtype=torch.float32, t_dtype=torch.float32, bias=True, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, dtype, s=1.0):
-        return (torch.randn(*shape, generator=g) * s * scale).to(dtype).to(DEVICE)
-
-    sh = r(*N_SHAPE, DS, dtype=s_dtype).requires_grad_()
-    sw = r(V, DS, dtype=s_dtype, s=0.4).requires_grad_()  # logits of O(1..3)
-    sb = r(V, dtype=s_dtype).requires_grad_() if bias else None
-    th, tw = r(*N_SHAPE, DT, dtype=t_dtype), r(V, DT, dtype=t_dtype, s=0.3)
-    tb = r(V, dtype=t_dtype) if bias else None
-    t = torch.randint(0, V, N_SHAPE, generator=g)
-    t[0, 1] = t[2, 3] = t[2, 6] = -100  # ignored rows, one in each token tile
-    return sh, sw, sb, th, tw, tb, t.to(DEVICE)
+# every tensor randn * scale, the heads * 0.4 (student) and * 0.3 (teacher): logits of O(1..3); one ignored row in
+# each token tile; on DEVICE, the student's tensors leaves that require grad
+_problem = functools.partial(
+    distill_problem,
+    N_SHAPE,
+    DS,
+    DT,
+    V,
+    weight_scale=(0.4, 0.3),
+    ignore=((0, 1), (2, 3), (2, 6)),
+    device=DEVICE,
+    requires_grad=True,
+)
 
 
 def _grads(out, ins, up):
@@ -58,7 +59,9 @@ def _grads(out, ins, up):
 def run(kw, seed=0, s_dtype=torch.float32, t_dtype=torch.float32, bias=True, no_targets=False, scale=1.0):
     """``(triton (loss, grads), torch (loss, grads), oracle (loss, grads))`` of one case; per-row
     upstream gradients for reduction="none"."""
-    sh, sw, sb, th, tw, tb, t = make(seed, s_dtype, t_dtype, bias, scale)
+    sh, sw, sb, th, tw, tb, t = _problem(
+        seed=seed, student_dtype=s_dtype, teacher_dtype=t_dtype, bias=bias, scale=scale
+    )
     targets = None if no_targets else t
     up = None
     res = []
@@ -169,7 +172,7 @@ def test_low_precision_heads(s_dtype, t_dtype, div):
 
 def test_ignored_rows_give_zero_and_no_gradient():
     """Ignored rows: 0 loss and exactly no gradient contribution, even with non-finite hidden states."""
-    sh, sw, sb, th, tw, tb, t = make(9)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=9)
     with torch.no_grad():
         sh[0, 1] = float("nan")  # t[0, 1] is ignored
     out = linear_distillation(
@@ -188,7 +191,7 @@ def test_splits_and_tiles_agree_with_the_oracle():
     from cce_dist import stats as S
     from cce_dist.kernels import distill as KD
 
-    sh, sw, sb, th, tw, tb, t = (x.detach() if x is not None else x for x in make(4))
+    sh, sw, sb, th, tw, tb, t = (x.detach() if x is not None else x for x in _problem(seed=4))
     hs, ht, tt = sh.reshape(-1, DS), th.reshape(-1, DT), t.reshape(-1)
     zs = (hs.double() @ sw.double().T + sb.double()) / 1.5
     zt = (ht.double() @ tw.double().T + tb.double()) / 1.5
@@ -216,7 +219,7 @@ def test_splits_and_tiles_agree_with_the_oracle():
 
 def test_saved_tensors_hold_no_logits_block():
     """The recompute schedule saves the inputs and per-row statistics: nothing else of [N, V] size."""
-    sh, sw, sb, th, tw, tb, t = make(2)
+    sh, sw, sb, th, tw, tb, t = _problem(seed=2)
     n = sh.shape[0] * sh.shape[1]
     inputs = {(n, DS), (V, DS), (V,), (n, DT), (V, DT), (n,)}
     saved = []
@@ -229,7 +232,7 @@ def test_saved_tensors_hold_no_logits_block():
 
 
 def test_impl_triton_errors_name_the_argument(monkeypatch):
-    sh, sw, sb, th, tw, tb, t = (x.detach().cpu() for x in make(1))
+    sh, sw, sb, th, tw, tb, t = (x.detach().cpu() for x in _problem(seed=1))
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter
     with pytest.raises(RuntimeError, match="impl='triton'.*TRITON_INTERPRET=1.*impl='torch'"):
         linear_distillation(sh, sw, th, tw, t, impl="triton")
@@ -273,7 +276,7 @@ def _tp_body(rank, world, group):
         start, stop = layout[rank]
         for i, kw in enumerate(cases):
             sp = i == 1  # one sequence-parallel case
-            sh, sw, sb, th, tw, tb, t = (x.detach() for x in make(10 * li + i))
+            sh, sw, sb, th, tw, tb, t = (x.detach() for x in _problem(seed=10 * li + i))
             n = 20  # tokens, flattened: an even split under sequence parallelism
             sh, th, t = sh.reshape(-1, DS)[:n], th.reshape(-1, DT)[:n], t.reshape(-1)[:n]
             sl = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)

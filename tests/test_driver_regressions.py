@@ -7,6 +7,7 @@ Each test failed on the code before its fix; numbers are compared with the plain
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import pickle
 import re
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TRITON
+from helpers import TRITON, problem
 
 from cce_dist import (
     InputError,
@@ -29,12 +30,8 @@ from cce_dist import (
 N, D, V = 12, 16, 40
 
 
-def _inputs(dtype=torch.float32, seed=0, bias=True):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, D, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(V, D, generator=g) * 0.3).to(dtype).requires_grad_()
-    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
-    return h, w, b
+# hidden, weight (* 0.3) and bias (* 0.1) as leaves that require grad; the targets each test makes itself
+_problem = functools.partial(problem, N, D, V, w_scale=0.3, b_scale=0.1, requires_grad=True)
 
 
 def _grads(*ts):
@@ -55,7 +52,7 @@ def _plain_ce_sum(h, w, b, t):
 @pytest.mark.parametrize("grad_in_forward", [None, False])
 def test_all_ignored_infinite_upstream_gives_zero_grads(dtype, reduction, grad_in_forward):
     """HF Trainer on a micro-batch without labels: ``loss / num_items_in_batch`` with 0 items."""
-    h, w, b = _inputs(dtype)
+    h, w, b, _ = _problem(dtype=dtype)
     t = torch.full((N,), -100)
     loss = linear_cross_entropy(h, w, t, bias=b, reduction=reduction, grad_in_forward=grad_in_forward)
     (loss / 0.0).backward()
@@ -69,7 +66,7 @@ def test_all_ignored_infinite_upstream_gives_zero_grads(dtype, reduction, grad_i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_partly_ignored_infinite_upstream_ignored_rows_stay_zero(dtype):
     """An ignored row's hidden gradient is 0 whatever the upstream value, as in the plain program."""
-    h, w, b = _inputs(dtype)
+    h, w, b, _ = _problem(dtype=dtype)
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
     t[::3] = -100
     (linear_cross_entropy(h, w, t, bias=b, reduction="sum") * math.inf).backward()
@@ -89,7 +86,7 @@ def test_fused_finite_upstream_scales_as_before(dtype, g):
     t[1] = -100
     got = {}
     for key, upstream, gif in (("g", g, None), ("one", 1.0, None), ("two_pass", g, False)):
-        h, w, b = _inputs(dtype)
+        h, w, b, _ = _problem(dtype=dtype)
         (linear_cross_entropy(h, w, t, bias=b, grad_in_forward=gif) * upstream).backward()
         got[key] = _grads(h, w, b)
     tol = dict(atol=1e-5 * abs(g), rtol=1.3e-6) if dtype == torch.float32 else dict(atol=1e-3 * abs(g), rtol=1e-2)
@@ -101,7 +98,7 @@ def test_fused_finite_upstream_scales_as_before(dtype, g):
 
 
 def test_logprobs_all_ignored_infinite_upstream_gives_zero_grads():
-    h, w, b = _inputs()
+    h, w, b, _ = _problem()
     t = torch.full((N,), -100)
     lp, ent = linear_logprobs(h, w, t, bias=b, return_entropy=True)
     ((lp.sum() + ent.sum()) / 0.0).backward()
@@ -110,7 +107,7 @@ def test_logprobs_all_ignored_infinite_upstream_gives_zero_grads():
 
 
 def test_compiled_all_ignored_infinite_upstream_gives_zero_grads():
-    h, w, b = _inputs()
+    h, w, b, _ = _problem()
     t = torch.full((N,), -100)
 
     @torch.compile(fullgraph=True, backend="aot_eager")
@@ -124,7 +121,7 @@ def test_compiled_all_ignored_infinite_upstream_gives_zero_grads():
 
 def _tp_inf_body(rank, world, group, sequence_parallel, partly):
     """Fused TP cross-entropy times inf: the gradients of ignored rows (all, or every third) on this rank."""
-    h, w, b = _inputs()
+    h, w, b, _ = _problem()
     t = torch.full((N,), -100)
     if partly:
         t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
@@ -163,21 +160,21 @@ _SCALAR_KINDS = {
 
 
 def _ce_call(opts):
-    h, w, b = _inputs(seed=3)
+    h, w, b, _ = _problem(seed=3)
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
     t[0] = -1
     return linear_cross_entropy(h, w, t, bias=b, **opts)
 
 
 def _lp_call(opts):
-    h, w, b = _inputs(seed=4)
+    h, w, b, _ = _problem(seed=4)
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
     return linear_logprobs(h, w, t, bias=b, return_entropy=True, **opts)
 
 
 def _distill_call(opts):
-    h, w, _ = _inputs(seed=5)
-    th, tw, _ = _inputs(seed=6)
+    h, w, _, _ = _problem(seed=5)
+    th, tw, _, _ = _problem(seed=6)
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(5))
     return linear_distillation(h, w, th.detach(), tw.detach(), t, divergence="jsd", **opts)
 
@@ -245,7 +242,7 @@ class _Policy(torch.nn.Module):
 
 
 def _deepcopy_body(rank, world, group):
-    h, w, _ = _inputs(seed=7)
+    h, w, _, _ = _problem(seed=7)
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(7))
     per = V // world
     policy = _Policy(w.detach()[rank * per : (rank + 1) * per].clone(), VocabShard.even(V, group))
@@ -283,7 +280,7 @@ def test_vocab_shard_without_group_still_pickles():
 def _disagree_body(rank, world, group, case):
     """Ranks that differ in one component (and, like data-parallel ranks of a wrongly sharded head, in their
     targets too); returns the error each rank raised."""
-    h, w, _ = _inputs(seed=8)
+    h, w, _, _ = _problem(seed=8)
     gen = torch.Generator().manual_seed(8 + (rank if case != "temperature" else 0))
     t = torch.randint(0, V, (N,), generator=gen)  # differs by rank except for "temperature"
     per = V // world
@@ -295,7 +292,7 @@ def _disagree_body(rank, world, group, case):
     shard = VocabShard(group, start, stop)
     try:
         if case == "temperature":
-            th, tw, _ = _inputs(seed=9)
+            th, tw, _, _ = _problem(seed=9)
             linear_distillation(h, w[start:stop], th, tw[start:stop].detach(), t, shard=shard, temperature=1.0 + rank)
         else:
             linear_cross_entropy(h, w[start:stop], t, shard=shard)
@@ -338,7 +335,7 @@ def test_handshake_names_what_differs(rank_pool, case, lead, absent):
 @pytest.mark.skipif(not TRITON, reason="needs triton (interpreter on CPU)")
 @pytest.mark.parametrize("form", ["ce_sum", "ce_mean", "logprobs"])
 def test_triton_all_ignored_infinite_upstream_gives_zero_grads(form):
-    h, w, b = _inputs()
+    h, w, b, _ = _problem()
     t = torch.full((N,), -100)
     if form == "logprobs":
         lp, ent = linear_logprobs(h, w, t, bias=b, impl="triton", return_entropy=True)
@@ -356,8 +353,8 @@ def test_distillation_all_ignored_infinite_upstream_gives_zero_grads(impl, grad_
     """Both distillation paths (the fused one holds gradients from the forward) give zeros (issue 21.1)."""
     if impl == "triton" and not TRITON:
         pytest.skip("needs triton (interpreter on CPU)")
-    h, w, b = _inputs()
-    th, tw, _ = _inputs(seed=1)
+    h, w, b, _ = _problem()
+    th, tw, _, _ = _problem(seed=1)
     t = torch.full((N,), -100)
     loss = linear_distillation(
         h, w, th.detach(), tw.detach(), t, student_bias=b, reduction="sum", impl=impl, grad_in_forward=grad_in_forward
@@ -371,7 +368,7 @@ def test_distillation_all_ignored_infinite_upstream_gives_zero_grads(impl, grad_
 def test_scalar_options_under_compile(kind):
     """Under torch.compile: fullgraph names the option (Dynamo traces the value as data); otherwise the call
     graph-breaks and gives the eager result."""
-    h, w, b = (x.detach() for x in _inputs(seed=10))
+    h, w, b, _ = (x.detach() for x in _problem(seed=10))
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(10))
     value = _SCALAR_KINDS[kind](0.1)
 

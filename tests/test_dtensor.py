@@ -5,7 +5,7 @@ Each part (SECTIONS) is its own pytest item, run on the persistent 2-rank pool (
 
 import pytest
 import torch
-from helpers import leaf
+from helpers import leaf, problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
@@ -28,12 +28,7 @@ def _close(a, b, what, rtol=2e-5, atol=2e-6):
 
 def _problem(vocab, d, n):
     """Identical full tensors on every rank: head W [V, D], bias [V], hidden [N, D], targets [N]."""
-    g = torch.Generator().manual_seed(0)
-    W = torch.randn(vocab, d, generator=g)
-    B = torch.randn(vocab, generator=g)
-    H = torch.randn(n, d, generator=g)
-    T = torch.randint(0, vocab, (n,), generator=g)
-    T[1] = -100
+    H, W, B, T = problem(n, d, vocab, ignore=(1,), seed=0)
     T[0] = vocab - 1  # a target in the last (smaller, for uneven V) shard
     return W, B, H, T
 

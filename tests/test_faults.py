@@ -23,6 +23,7 @@ blocks once a peer is dead). The parent's deadline turns any hang into a failure
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from dist_utils import spawn_ranks
-from helpers import close_report
+from helpers import close_report, problem
 from oracle import oracle_cross_entropy
 
 from cce_dist import VocabShard, linear_cross_entropy
@@ -50,14 +51,8 @@ V, D, N = 13, 8, 12
 BOUNDS = [(0, 4), (4, 9), (9, 13)]
 
 
-def problem(seed=3):
-    g = torch.Generator().manual_seed(seed)
-    H = torch.randn(N, D, generator=g)
-    W = torch.randn(V, D, generator=g) * 0.5
-    b = torch.randn(V, generator=g) * 0.3
-    t = torch.randint(0, V, (N,), generator=g)
-    t[5] = -100
-    return H, W, b, t
+# H [N, D], W * 0.5, b * 0.3, the sixth target ignored
+_problem = functools.partial(problem, N, D, V, w_scale=0.5, b_scale=0.3, ignore=(5,), seed=3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,10 +61,10 @@ def problem(seed=3):
 
 
 class Call:
-    """One rank's call: fine inputs (``problem()``, this rank's rows of BOUNDS) that a fault spoils."""
+    """One rank's call: fine inputs (``_problem()``, this rank's rows of BOUNDS) that a fault spoils."""
 
     def __init__(self, rank):
-        self.H, self.W, _, self.t = problem()
+        self.H, self.W, _, self.t = _problem()
         self.rank = rank
         self.start, self.stop = BOUNDS[rank]
         self.h, self.targets = self.H.clone(), self.t.clone()
@@ -238,7 +233,7 @@ LOCAL_FAULT_BY_NAME = {f.name: f for f in LOCAL_FAULTS}
 
 def _healthy(rank, group) -> float:
     """A correct call after the fault: |loss - oracle| (the group must still be in step)."""
-    H, W, b, t = problem(seed=11)
+    H, W, b, t = _problem(seed=11)
     start, stop = BOUNDS[rank]
     loss = linear_cross_entropy(
         H, W[start:stop], t, bias=b[start:stop], shard=VocabShard(group, start, stop), label_smoothing=0.1, impl="torch"
@@ -273,7 +268,7 @@ def _local_fault_body(rank, world, group, name):
 
 def _nonfinite_reference(fault):
     """The materialized program on the full problem with the fault applied."""
-    H, W, b, t = problem()
+    H, W, b, t = _problem()
     up = torch.ones(N)
     fault.reference(H, W, up)
     h = H.clone().requires_grad_(True)
@@ -310,7 +305,7 @@ def _check_nonfinite(fault, recs):
             continue
         loss, dh = rec["loss"], rec["dh"]
         sl = slice(r * 4, (r + 1) * 4) if fault.name == "inf_hidden_sp_one_rank" else slice(0, N)
-        ref_dh_r, valid = ref_dh[sl], (problem()[3] != -100)[sl]
+        ref_dh_r, valid = ref_dh[sl], (_problem().targets != -100)[sl]
         if _nan_rows(loss) != _nan_rows(ref_loss):
             problems.append(
                 f"{fault.name}: rank {r}: non-finite loss rows {_nan_rows(loss)}, oracle {_nan_rows(ref_loss)}"
@@ -348,7 +343,7 @@ def test_rank_local_fault(rank_pool, fault):
 
 def _dtype_body(rank, world, group):
     """Sequence parallel, rank 1's head in bf16, the others' in fp32 (a configuration error)."""
-    H, W, b, t = problem()
+    H, W, b, t = _problem()
     start, stop = [(0, 6), (6, 13)][rank]
     w = W[start:stop].clone()
     if rank == 1:
@@ -444,7 +439,7 @@ DEATHS = [
 
 
 def _death_body(rank, world, group, out_dir, death):
-    H, W, b, t = problem()
+    H, W, b, t = _problem()
     start, stop = {3: BOUNDS, 2: [(0, 6), (6, 13)]}[world][rank]
     if rank == 1:
         death.victim(rank, out_dir, death.where)
@@ -519,7 +514,7 @@ STALLS = {
 
 def _stall_body(rank, world, group, out_dir, how):
     stall, check = STALLS[how]
-    H, W, b, t = problem()
+    H, W, b, t = _problem()
     start, stop = [(0, 6), (6, 13)][rank]
     h = H.clone().requires_grad_(True)
     w = W[start:stop].clone().requires_grad_(True)

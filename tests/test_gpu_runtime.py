@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -27,6 +28,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
+
+from helpers import problem  # noqa: E402
 
 import cce_dist  # noqa: E402
 import cce_dist.kernels as K  # noqa: E402
@@ -61,14 +64,19 @@ def _pretend_cuda_tensors():
             torch.Tensor.is_cuda = saved  # type: ignore[method-assign]
 
 
-def _inputs(dtype=torch.bfloat16, n=20, d=24, v=70, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype).requires_grad_()
-    b = (torch.randn(v, generator=g) * 0.1).to(dtype).requires_grad_()
-    t = torch.randint(0, v, (n,), generator=g)
-    t[::5] = -100
-    return h, w, b, t
+# 20 tokens (every fifth ignored), D = 24, V = 70, bf16 by default: leaves that require grad
+_problem = functools.partial(
+    problem,
+    20,
+    24,
+    70,
+    dtype=torch.bfloat16,
+    w_scale=24**-0.5,
+    b_scale=0.1,
+    ignore=(slice(None, None, 5),),
+    seed=2,
+    requires_grad=True,
+)
 
 
 def _operands(dtype=torch.bfloat16):
@@ -380,7 +388,7 @@ TARGET_CHECK = ("cce_dist/prepare.py:valid_id_range", "tolist")
     ["mean", "sum", "none+lse", "smoothing+zloss+softcap", "deterministic", "filter", "logprobs+entropy"],
 )
 def test_default_triton_forward_and_backward_do_not_read_back(form):
-    h, w, b, t = _inputs()
+    h, w, b, t = _problem()
     with _count_syncs() as seen:
         if form == "logprobs+entropy":
             lp, ent = cce_dist.linear_logprobs(h, w, t, bias=b, impl="triton", temperature=0.7, return_entropy=True)
@@ -414,7 +422,7 @@ def test_triton_distillation_does_not_read_back(form):
     """linear_distillation(impl="triton"): the scalar-loss schedule (gradients in forward) and the two-pass one."""
     from cce_dist import linear_distillation
 
-    h, w, b, t = _inputs(torch.float32)
+    h, w, b, t = _problem(dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     th = torch.randn(h.shape[0], 16, generator=g)
     tw = torch.randn(w.shape[0], 16, generator=g) / 4
@@ -439,7 +447,7 @@ def test_triton_distillation_does_not_read_back(form):
 @needs_interpreter
 def test_kernel_launchers_do_not_read_back():
     """Below the driver (which checks the target ids once): forward and backward launchers read nothing back."""
-    h, w, b, t = (x.detach() for x in _inputs())
+    h, w, b, t = (x.detach() for x in _problem())
     coef = torch.randn(h.shape[0], 4) * 0.1
     coef[::3] = 0.0  # idle rows, the chunked schedule's H copy
     with _count_syncs() as seen:
@@ -533,7 +541,7 @@ def test_every_launch_runs_under_the_guard_of_its_tensors_device(monkeypatch):
             if name.endswith("_kernel") and hasattr(obj, "__getitem__") and not isinstance(obj, type):
                 monkeypatch.setattr(mod, name, spy(obj))
 
-    h, w, b, t = (x.detach() for x in _inputs(torch.float32))
+    h, w, b, t = (x.detach() for x in _problem(dtype=torch.float32))
     st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0)
     coef = torch.randn(h.shape[0], 4) * 0.1
     lse = st[:, 0] + st[:, 1].log()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from dist_utils import run_ranks
+from helpers import problem
 from oracle import oracle_cross_entropy
 
 from cce_dist import InputError, VocabShard, linear_cross_entropy
@@ -24,11 +25,9 @@ N, D, V = 12, 8, 16
 
 
 def _problem():
-    g = torch.Generator().manual_seed(21)
-    h = torch.randn(N, D, generator=g, requires_grad=True)
-    w = torch.randn(V, D, generator=g) / D**0.5
-    t = torch.randint(2, V - 2, (N,), generator=g)
-    return h, w, t
+    """Hidden states that require grad, a head without bias, targets in [2, V - 2) (the test moves two by +2 and -1)."""
+    h, w, _, t = problem(N, D, V, bias=False, w_scale=D**-0.5, target_range=(2, V - 2), seed=21)
+    return h.requires_grad_(), w, t
 
 
 def _healthy(shard, h, w, t, sl):

@@ -28,6 +28,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from helpers import problem  # noqa: E402
+
 import cce_dist.kernels as K  # noqa: E402
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
 from cce_dist.stats import ENTROPY, MAX, SUM, SUM_SCALE, SUMEXP, TARGET  # noqa: E402
@@ -49,17 +51,24 @@ IGNORE = -100
 
 
 def make_inputs(n, d, v, dtype, *, bias, vocab_start, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g)
-    w = torch.randn(v, d, generator=g) * (1.5 / d**0.5)  # logits of O(1..3)
-    b = torch.randn(v, generator=g) * 0.5 if bias else None
-    # Global targets: in the shard, below it, above it, and ignored.
-    t = torch.randint(0, vocab_start + v + 20, (n,), generator=g)
+    """A vocab shard ``[vocab_start, vocab_start + v)`` of helpers.problem: logits of O(1..3), global targets in
+    the shard, below it, above it, and ignored."""
+    h, w, b, t = problem(
+        n,
+        d,
+        v,
+        dtype=dtype,
+        bias=bias,
+        w_scale=1.5 / d**0.5,
+        b_scale=0.5,
+        target_range=(0, vocab_start + v + 20),
+        seed=seed,
+        device=DEVICE,
+    )
     if n > 2:
         t[0] = IGNORE
         t[1] = vocab_start + v - 1  # last local row: the ragged last tile
-    dev = DEVICE
-    return (h.to(dtype).to(dev), w.to(dtype).to(dev), None if b is None else b.to(dtype).to(dev), t.to(dev))
+    return h, w, b, t
 
 
 def oracle_logits(h, w, b, softcap, temperature):

@@ -34,7 +34,9 @@ def _close(name, got, want, atol=ATOL, rtol=RTOL):
 
 def _inputs(seed):
     """Identical on every rank: full hidden [s, b, h], labels [b, s] with ignored positions,
-    a per-token upstream gradient [b, s] that is 0 there (Megatron's loss mask), full W and b."""
+    a per-token upstream gradient [b, s] that is 0 there (Megatron's loss mask), full W and b.
+
+    Local, not helpers.problem: Megatron's layouts (hidden [s, b, h], labels [b, s]) and its loss mask."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(S, B, H, generator=g)
     labels = torch.randint(0, V, (B, S), generator=g)

@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import pytest
 import torch
-from helpers import TRITON, close_report
+from helpers import TRITON, close_report, problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import linear_cross_entropy, linear_logprobs
@@ -26,14 +27,8 @@ IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, re
 IGN = -100
 
 
-def _problem(n=9, v=37, d=16, seed=0, dtype=torch.float32, bias=True):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g).to(dtype)
-    w = (torch.randn(v, d, generator=g) * 0.4).to(dtype)
-    b = (torch.randn(v, generator=g) * 0.3).to(dtype) if bias else None
-    t = torch.randint(0, v, (n,), generator=g)
-    t[4] = IGN
-    return h, w, b, t
+# 9 tokens (the fifth ignored), V = 37, D = 16; weight * 0.4, bias * 0.3
+_problem = functools.partial(problem, n=9, d=16, v=37, w_scale=0.4, b_scale=0.3, ignore=(4,), ignore_index=IGN)
 
 
 def _run(fn, h, w, b, t, up_seed=5, **kw):

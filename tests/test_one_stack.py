@@ -8,20 +8,12 @@ import math
 
 import pytest
 import torch
+from helpers import problem
 
 from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs
 from cce_dist import stats as S
 from cce_dist.autograd import HeldGradients
 from cce_dist.options import CrossEntropyOptions, DistillationOptions, LogprobOptions, LossOptions
-
-
-def _problem(n=6, d=4, v=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g, requires_grad=True)
-    w = torch.randn(v, d, generator=g, requires_grad=True)
-    t = torch.randint(0, v, (n,), generator=g)
-    return h, w, t
-
 
 LOSSES = {
     "cross-entropy": lambda h, w, t, **kw: linear_cross_entropy(h, w, t, **kw),
@@ -45,14 +37,14 @@ def test_every_options_class_shares_the_loss_options(options):
 def test_a_shared_option_is_checked_for_every_loss(loss, option, value):
     """The checks of the shared fields live once (LossOptions): cross-entropy and logprobs took deterministic='yes'
     silently (only distillation checked it)."""
-    h, w, t = _problem()
+    h, w, _, t = problem(6, 4, 7, bias=False, requires_grad=True)
     with pytest.raises((TypeError, ValueError), match=option):
         LOSSES[loss](h, w, t, **{option: value})
 
 
 @pytest.mark.parametrize("loss", ["cross-entropy", "distillation"])
 def test_grad_in_forward_must_be_a_bool_or_none_for_every_loss(loss):
-    h, w, t = _problem()
+    h, w, _, t = problem(6, 4, 7, bias=False, requires_grad=True)
     with pytest.raises(TypeError, match="grad_in_forward"):
         LOSSES[loss](h, w, t, grad_in_forward="always")
 
@@ -62,7 +54,7 @@ def test_grad_in_forward_must_be_a_bool_or_none_for_every_loss(loss):
 def test_both_fused_losses_hold_their_gradients_in_one_place(loss, reduction):
     """Cross-entropy's and distillation's gradients formed in forward are held by the one HeldGradients, in float32
     for float32 tensors, and released once: a second backward raises naming the remedy."""
-    h, w, t = _problem()
+    h, w, _, t = problem(6, 4, 7, bias=False, requires_grad=True)
     t[1] = -100
     out = LOSSES[loss](h, w, t, reduction=reduction, impl="torch")
     held = out.grad_fn.held
@@ -124,7 +116,7 @@ def test_normalizers_are_minus_inf_safe():
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_every_loss_names_a_bad_target_id_the_same_way(loss):
-    h, w, t = _problem()
+    h, w, _, t = problem(6, 4, 7, bias=False, requires_grad=True)
     t[0] = 7  # = V
     with pytest.raises(ValueError, match=r"targets contain id 7, outside the vocabulary \[0, 7\)"):
         LOSSES[loss](h, w, t)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import Failures
+from helpers import Failures, problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import InputError, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs
@@ -93,12 +93,10 @@ def ref_logprobs(h, w, b, t, *, ignore_index=-100, softcap=None, temperature=1.0
 
 
 def make_problem(seed=1234, shape=SHAPE, vocab=V, dim=D, ignore_frac=0.2):
+    """helpers.problem (weight * 0.6, bias * 0.5, ~ignore_frac targets ignored) and, drawn next, two per-token
+    upstream gradients g1, g2."""
     g = torch.Generator().manual_seed(seed)
-    H = torch.randn(*shape, dim, generator=g)
-    W = torch.randn(vocab, dim, generator=g) * 0.6
-    b = torch.randn(vocab, generator=g) * 0.5
-    t = torch.randint(0, vocab, shape, generator=g)
-    t = torch.where(torch.rand(shape, generator=g) < ignore_frac, torch.full_like(t, -100), t)
+    H, W, b, t = problem(shape, dim, vocab, w_scale=0.6, b_scale=0.5, ignore_frac=ignore_frac, seed=g)
     g1 = torch.randn(shape, generator=g)  # per-token upstream gradients
     g2 = torch.randn(shape, generator=g)
     return dict(H=H, W=W, b=b, t=t, g1=g1, g2=g2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import linear_cross_entropy, linear_logprobs
@@ -20,13 +21,9 @@ IMPLS = ["torch", "triton"]
 
 
 def _problem(dtype, ignore_index=-100):
-    g = torch.Generator().manual_seed(11)
-    h = torch.randn(N, D, generator=g)
-    w = torch.randn(V, D, generator=g) / D**0.5
-    b = 0.1 * torch.randn(V, generator=g)
-    t = torch.randint(0, V, (N,), generator=g)
-    if dtype.is_signed:  # uint8 cannot hold -100: no ignored row there
-        t[2] = ignore_index
+    """The problem with targets of ``dtype``: the third one ignored, except in uint8 (which cannot hold -100)."""
+    ignore = (2,) if dtype.is_signed else ()
+    h, w, b, t = problem(N, D, V, w_scale=D**-0.5, b_scale=0.1, ignore=ignore, ignore_index=ignore_index, seed=11)
     return h, w, b, t.to(dtype)
 
 
