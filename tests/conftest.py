@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_slow)
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a module of tiny shapes (``pytestmark = pytest.mark.usefixtures(...)``): there
+    intra-op threads only add synchronization (10x slower measured on a loaded 2-core machine), and under
+    ``-n 2`` the xdist workers already use both cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def rank_pool(tmp_path_factory):
     """``rank_pool(world)``: persistent gloo ranks that run one case per call (see dist_utils.RankPool).

@@ -17,10 +17,12 @@ tests/test_layering.py checks that no ``test_*`` module imports another).
 What else the test modules share, each in one non-test module of tests/:
 
 - tests/oracle.py: every reference program (cross-entropy, logprobs, logits, distillation), float64 capable;
+- tests/single_device.py: the shapes, inputs and comparisons of the single-device modules (test_fp32_oracle,
+  test_shapes_and_ignore, test_low_precision, test_module_form, test_validation, test_memory);
 - tests/fuzz_common.py: the fuzz budget, the checked-case counter and the gradient judge of test_fuzz and
   test_fuzz_distill;
 - tests/dist_utils.py: spawning ranks; tests/triton_oldest.py: the oldest supported Triton; tests/conftest.py:
-  TRITON_INTERPRET, the gpu / slow marks, the ``rank_pool`` fixture;
+  TRITON_INTERPRET, the gpu / slow marks, the ``rank_pool`` and ``one_intra_op_thread`` fixtures;
 - ``cce_dist.testing.CollectiveLog``: counting collectives (shared with the benchmarks).
 """
 
