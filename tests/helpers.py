@@ -7,6 +7,8 @@ tests/test_layering.py checks that no ``test_*`` module imports another).
   targets)``. The test modules build their standard problems with these (a module binds its shapes and scales
   with ``functools.partial``); problems of another kind stay in their module (Megatron's layouts, token ids, the
   closed-form N*V > 2**31 problem, hypothesis strategies, one-off tensors inside a test).
+- ``integer_problem(n, d, v, seed, dtype)``: ``(hidden, weight, targets)`` whose logits are exact integers with a
+  tie between ids 3 and 17 (test_row_outputs and test_row_outputs_parallel).
 - ``close_report(got, want, atol, rtol)``: None if two tensors match (non-finite entries exactly),
   else a message naming the worst element.
 - ``Failures``: collects failing checks of a case (named) instead of raising, so that a rank keeps
@@ -32,7 +34,17 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["TRITON", "leaf", "close_report", "Failures", "Problem", "problem", "DistillProblem", "distill_problem"]
+__all__ = [
+    "TRITON",
+    "leaf",
+    "close_report",
+    "Failures",
+    "Problem",
+    "problem",
+    "DistillProblem",
+    "distill_problem",
+    "integer_problem",
+]
 
 
 def _triton_ok() -> bool:
@@ -269,3 +281,18 @@ def distill_problem(
         cast(tb, teacher_dtype),
         t if device is None else t.to(device),
     )
+
+
+def integer_problem(n=24, d=6, v=29, seed=0, dtype=torch.float32):
+    """Small-integer hidden states and head rows: every logit is an exact integer (ties are exact), and rows 3 and
+    17 of the head are equal (a tie between ids 3 and 17 wherever either is the max)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randint(-3, 4, (n, d), generator=g).to(dtype)
+    w = torch.randint(-3, 4, (v, d), generator=g).to(dtype)
+    w[17] = w[3]
+    h[:4] = w[3]  # rows whose max is the tie
+    t = torch.randint(0, v, (n,), generator=g)
+    t[1] = 17  # a target that ties with the (lower) predicted id 3: not top-1
+    t[0] = 3  # the lowest of the tie: top-1
+    t[5] = t[9] = -100
+    return h, w, t

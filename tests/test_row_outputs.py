@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TRITON
+from helpers import TRITON, integer_problem
 from oracle import oracle_logits
 
 from cce_dist import ROW_OUTPUTS, RowOutputs, linear_cross_entropy, linear_logprobs
@@ -20,21 +20,6 @@ from cce_dist import stats as S
 from cce_dist.parallel import from_max_id_key, max_id_key
 
 ALL = ROW_OUTPUTS
-
-
-def integer_problem(n=24, d=6, v=29, seed=0, dtype=torch.float32):
-    """Small-integer hidden states and head rows: every logit is an exact integer (ties are exact), and rows 3 and
-    17 of the head are equal (a tie between ids 3 and 17 wherever either is the max)."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randint(-3, 4, (n, d), generator=g).to(dtype)
-    w = torch.randint(-3, 4, (v, d), generator=g).to(dtype)
-    w[17] = w[3]
-    h[:4] = w[3]  # rows whose max is the tie
-    t = torch.randint(0, v, (n,), generator=g)
-    t[1] = 17  # a target that ties with the (lower) predicted id 3: not top-1
-    t[0] = 3  # the lowest of the tie: top-1
-    t[5] = t[9] = -100
-    return h, w, t
 
 
 def _oracle(h, w, t, b=None, *, softcap=None, temperature=1.0, ignore_index=-100):

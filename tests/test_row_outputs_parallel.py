@@ -1,11 +1,11 @@
 """row_outputs= on a vocab-parallel group (gloo ranks) equals one process.
 
-The problem of tests/test_row_outputs.py (integer logits, ids 3 and 17 tied) split over 2 or 3 ranks, in layouts
-where the tie crosses ranks and where the rank holding the lower id is not rank 0, with an empty shard; both
-statistics collectives (the all-gather, and the all-reduces where the argmax travels with the max in one int64 MAX
-all-reduce), with and without sequence parallelism, for cross-entropy and logprobs. The predicted token and is_top1
-must be identical to one process; log sum p^2 and the mean logit equal to float32 rounding; the losses and hidden
-gradients unchanged. The number of collectives must be the same as without row_outputs.
+The problem of tests/test_row_outputs.py (helpers.integer_problem: integer logits, ids 3 and 17 tied) split over 2
+or 3 ranks, in layouts where the tie crosses ranks and where the rank holding the lower id is not rank 0, with an
+empty shard; both statistics collectives (the all-gather, and the all-reduces where the argmax travels with the max
+in one int64 MAX all-reduce), with and without sequence parallelism, for cross-entropy and logprobs. The predicted
+token and is_top1 must be identical to one process; log sum p^2 and the mean logit equal to float32 rounding; the
+losses and hidden gradients unchanged. The number of collectives must be the same as without row_outputs.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_row_outputs import ALL, integer_problem
+from helpers import integer_problem
 
+from cce_dist import ROW_OUTPUTS as ALL
 from cce_dist import VocabShard, linear_cross_entropy, linear_logprobs
 from cce_dist.testing import CollectiveLog
 
