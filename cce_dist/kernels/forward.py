@@ -12,6 +12,8 @@ Extra memory: ``splits * N * 5`` floats.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -202,6 +204,67 @@ def _tuned_kernel(configs: list[_config.FwdConfig]):
     return _TUNED[key]
 
 
+def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: bool, heavy: bool, blocks):
+    """``(configs, props)``: the candidate :class:`~.config.FwdConfig` list (``blocks`` when given, the interpreter's
+    config, else :func:`.config.forward_candidates` for ``props``, looked up from the tensors' device when None)
+    and the device record the splits are picked for."""
+    if blocks is not None:
+        bn, bv, bd = blocks
+        return [_config.FwdConfig(bn, bv, bd)], props
+    if _INTERPRET:
+        return [_config.INTERPRET_FWD], props
+    if props is None:
+        props = _config.DeviceProps.of(hidden.device)
+    configs = _config.forward_candidates(
+        props,
+        hidden.dtype,
+        precision == "tf32",
+        has_softcap,
+        _rows_aligned(hidden, weight),
+        lean=lean,
+        heavy=heavy,
+    )
+    return configs, props
+
+
+def _splits_of(n: int, v: int, props, splits) -> Callable[[_config.FwdConfig], int]:
+    """``splits_of(cfg)``: the vocab splits (grid axis 1) of a launch with ``cfg``: ``splits`` when given (tests),
+    one in the interpreter or without a device record, else :func:`.config.pick_splits`."""
+
+    def splits_of(c: _config.FwdConfig) -> int:
+        if splits is not None:
+            s = max(1, int(splits))
+        elif _INTERPRET or props is None:
+            s = 1
+        else:
+            s = _config.pick_splits(n, v, c.block_n, c.block_v, props)
+        # Splits that would be empty after rounding to whole tiles are not launched.
+        per = triton.cdiv(triton.cdiv(v, s), c.block_v) * c.block_v
+        return min(s, triton.cdiv(v, per))
+
+    return splits_of
+
+
+def _flags(dtype, has_bias: bool, has_softcap: bool, has_temp: bool, needs: dict, precision: str) -> dict:
+    """The kernel's constexpr keyword arguments (``needs``: plan's ``need_*`` values by name), plus the FP-fusion
+    compile option outside the interpreter."""
+    flags = dict(
+        HAS_BIAS=has_bias,
+        HAS_SOFTCAP=has_softcap,
+        HAS_TEMP=has_temp,
+        NEED_SUM=bool(needs["need_sum"]),
+        NEED_ENTROPY=bool(needs["need_entropy"]),
+        NEED_ARGMAX=bool(needs["need_argmax"]),
+        NEED_SUMSQ=bool(needs["need_sumsq"]),
+        USE_LIBDEVICE=use_libdevice(_INTERPRET),
+        DOT_PRECISION=precision,
+        INTERP_BF16=interp_bf16(dtype, _INTERPRET),
+    )
+    if not _INTERPRET:
+        flags["enable_fp_fusion"] = _config.ENABLE_FP_FUSION
+    return flags
+
+
 def plan(
     hidden,
     weight,
@@ -235,39 +298,13 @@ def plan(
     """
     n, d = hidden.shape
     v = weight.shape[0]
-    interpret = _INTERPRET
     has_softcap = softcap is not None and softcap != 0
     has_temp = temperature is not None and float(temperature) != 1.0
-    precision = dot_precision(hidden.dtype, interpret, allow_tf32)
-    if _blocks is not None:
-        bn, bv, bd = _blocks
-        configs = [_config.FwdConfig(bn, bv, bd)]
-    elif interpret:
-        configs = [_config.INTERPRET_FWD]
-    else:
-        if props is None:
-            props = _config.DeviceProps.of(hidden.device)
-        configs = _config.forward_candidates(
-            props,
-            hidden.dtype,
-            precision == "tf32",
-            has_softcap,
-            _rows_aligned(hidden, weight),
-            lean=not (need_sum or need_entropy or need_argmax or need_sumsq),
-            heavy=need_argmax or need_sumsq,
-        )
-
-    def splits_of(c: _config.FwdConfig) -> int:
-        if _splits is not None:
-            s = max(1, int(_splits))
-        elif interpret or props is None:
-            s = 1
-        else:
-            s = _config.pick_splits(n, v, c.block_n, c.block_v, props)
-        # Splits that would be empty after rounding to whole tiles are not launched.
-        per = triton.cdiv(triton.cdiv(v, s), c.block_v) * c.block_v
-        return min(s, triton.cdiv(v, per))
-
+    precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
+    needs = dict(need_sum=need_sum, need_entropy=need_entropy, need_argmax=need_argmax, need_sumsq=need_sumsq)
+    lean, heavy = not any(needs.values()), bool(need_argmax or need_sumsq)
+    configs, props = _candidates(hidden, weight, props, precision, has_softcap, lean, heavy, _blocks)
+    splits_of = _splits_of(n, v, props, _splits)
     out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32, device=hidden.device)
     args = (
         hidden,
@@ -290,20 +327,7 @@ def plan(
         out.stride(0),
         out.stride(1),
     )
-    flags = dict(
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=has_softcap,
-        HAS_TEMP=has_temp,
-        NEED_SUM=bool(need_sum),
-        NEED_ENTROPY=bool(need_entropy),
-        NEED_ARGMAX=bool(need_argmax),
-        NEED_SUMSQ=bool(need_sumsq),
-        USE_LIBDEVICE=use_libdevice(interpret),
-        DOT_PRECISION=precision,
-        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
-    )
-    if not interpret:
-        flags["enable_fp_fusion"] = _config.ENABLE_FP_FUSION
+    flags = _flags(hidden.dtype, bias is not None, has_softcap, has_temp, needs, precision)
     return args, flags, configs, splits_of, out
 
 
