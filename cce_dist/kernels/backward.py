@@ -29,16 +29,18 @@ Schedules (``_schedule``; see :func:`grads`):
   its matmuls, plus fp32 per-token-tile column sums for db; then two torch GEMMs with fp32 output:
   ``dW[chunk] (+)= draw.T @ H[rows]`` (written by the first row block, added to by the next) and
   ``dH[rows] += draw @ W[chunk]``. No atomics; chunks and row blocks run in a fixed order, so
-  results are bitwise repeatable. ``benchmarks/gpu_model.py`` estimates it at ~4.5x faster than
-  the per-tile kernel at the CCE paper shape on H100 (no atomic traffic; the price is the fp32 dH
-  read and written by each chunk's GEMM), about as much at N = 65,536, and ~6x faster than the
-  owner-computes kernels.
+  results are bitwise repeatable. ``benchmarks/gpu_model.py`` estimates it well ahead of the
+  per-tile kernel at the CCE paper shape on H100 and at N = 65,536 (no atomic traffic; the price is
+  the fp32 dH read and written by each chunk's GEMM), and of the owner-computes kernels: see
+  docs/design.md, "Why chunked is the default", and benchmarks/results/gpu_model.md, "Backward
+  schedules on H100 SXM".
 - ``"tiles"`` (the fallback where the chunked schedule cannot run: less free CUDA memory than its
   scratch): one fused kernel over all (token
   tile, vocab tile) pairs, grouped for L2 reuse as in the Triton matmul tutorial. Each program
   recomputes its logit tile once and adds its dH / dW / db contributions to the fp32 outputs with
   ``tl.atomic_add``, in ``BLOCK_D_OUT``-wide column chunks. No scratch memory at all beyond the
-  fp32 gradients, but ~300 GB of fp32 atomics at the paper shape, which bound it.
+  fp32 gradients, but its fp32 atomics bound it (their traffic at the paper shape: the same two
+  places).
 - ``"owner"`` (``deterministic=True`` where the chunked schedule cannot run: too little free memory,
   or ``torch.use_deterministic_algorithms`` without a pinned cuBLAS workspace): no float atomics and
   no scratch. A dH kernel gives each program one token tile and walks the vocab tiles in order; a

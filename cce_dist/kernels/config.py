@@ -186,8 +186,8 @@ CHUNK_SCRATCH_BYTES = 16 << 20
 #: Narrowest vocab chunk the chunked backward walks before it also splits the tokens into row
 #: blocks. Vc is the K dimension of its dH GEMM (``dH[rows] += dz @ W[chunk]``), which reads and
 #: writes those rows of the fp32 dH once per chunk: Vc FLOPs per 4 bytes of dH moved, so at 1024
-#: columns it sits near the H100's ridge point (about 230 FLOP/B at 70% of the bf16 peak and 90% of
-#: the HBM rate; benchmarks/gpu_model.py) and narrower chunks make it HBM-bound. With more tokens
+#: columns it sits near the H100's ridge point (docs/design.md, "Backward", chunked, has the figure
+#: from benchmarks/gpu_model.py's rates) and narrower chunks make it HBM-bound. With more tokens
 #: than let 1024 columns fit the scratch (about 8192 in bf16), fewer rows per block keep the chunks
 #: this wide instead.
 CHUNK_MIN_COLS = 1024

@@ -491,7 +491,7 @@ def _add_product(
     compiler and the GPU make of it: the load-add-store here adds the product to the loaded rows
     after the MMA (``_add_products`` accumulates into them: another fp32 summation order, so other
     deterministic bits), and the atomic update's pointers are formed before its mask (the other
-    order cost the sm_90 forward-KL gradient kernel 7 registers)."""
+    order cost the sm_90 forward-KL gradient kernel registers: see docs/design.md, "Distillation")."""
     offs_do = tl.arange(0, BLOCK_D_OUT).to(tl.int64)
     for d0 in range(0, D, BLOCK_D_OUT):
         d_ok = offs_do < D - d0
@@ -890,13 +890,14 @@ def distill_config(
     ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
     backward their softmax terms) besides the gradient products, so the tiles are the backward's
     64-row ones with the softcap epilogue, and with TF32 on mma.sync (register accumulators) 64-wide
-    vocab tiles: 64 x 128 spilled 104 B there (the forward KL's statistics pass). Checked with the
+    vocab tiles: 64 x 128 spilled there (the forward KL's statistics pass). Checked with the
     real compiler for every target (tests/test_aot_compile.py). ``deterministic``: the tiles of the
-    deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync)."""
+    deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync).
+    The spills these choices avoid: docs/design.md, "Distillation"."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
     if deterministic and props.mma == "mma":
-        # the load-add-store epilogue next to both heads' tiles spilled 8-40 B at 64 x 64 on sm_120
+        # the load-add-store epilogue next to both heads' tiles spilled at 64 x 64 on sm_120 (docs/design.md)
         return _config.BwdConfig(32, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
     c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
