@@ -26,9 +26,10 @@ IMPLS = ("auto", "torch", "triton")
 
 #: ``chunk_size=None`` (the default) sizes the torch implementation's token chunks to hold
 #: ``max(DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS * V_local)`` logits: 2**24 float32 logits = 64 MiB,
-#: and never fewer than 256 tokens, because thinner chunks make thin, slow GEMMs. At N=2048 D=512
-#: on 2 CPU cores: V=64k, 2**23 logits took 1.1x and 2**22 1.4x the time of 2**24; V=256k, 64
-#: tokens per chunk took 1.3x the time of 256 (benchmarks/results/cpu_single.md has the sweeps).
+#: and never fewer than 256 tokens, because thinner chunks make thin, slow GEMMs: on CPU, fewer
+#: logits per chunk at V=64k and fewer tokens per chunk at V=256k each took longer
+#: (benchmarks/results/cpu_single.md has the V=64k sweep; docs/design.md, "torch
+#: (cce_dist/torch_impl.py)", the ratios of both).
 #: The floor keeps the block at ``256 / D`` of the float32 weight gradient: never larger than the
 #: gradient for a head dimension >= 256. An explicit int is a hard cap (at least one token).
 DEFAULT_CHUNK_SIZE = 1 << 24

@@ -36,8 +36,9 @@ StatsCollective = Literal["auto", "allreduce", "allgather"]
 #: received) while rows * P is at most this, and uses the two all-reduces (two round trips, 5
 #: floats per row) above it: the all-gather wins while latency dominates, the all-reduces once
 #: the P-fold bytes do. Measured on gloo/CPU at P = 2, 4, 8 in benchmarks/tp_collectives.py
-#: (all-gather faster up to N*P = 32768 in every group size, slower beyond at P >= 4). The
-#: decision depends only on N and P, so every rank makes the same one.
+#: (the all-gather was faster up to this N*P in every group size, slower beyond it at P >= 4; the
+#: timings: benchmarks/results/tp_collectives.md). The decision depends only on N and P, so every
+#: rank makes the same one.
 AUTO_ALLGATHER_MAX_ROWS_X_RANKS = 32768
 
 

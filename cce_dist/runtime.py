@@ -9,7 +9,8 @@ Used by the torch implementation (:mod:`cce_dist.torch_impl`) and by the Triton 
   decided once per ``(device, dtype)`` by a tiny probe (:func:`f32_out_gemm`) and cached, never by catching errors
   of the real call, so an out-of-memory error or an asynchronous device error raised there reaches the caller. Where
   the probe fails (an older torch, the CPU build) the operands are upcast to float32 (the same values: bf16 / fp16
-  products are exact in float32), about 10x slower on a GPU: logged once as a warning on CUDA.
+  products are exact in float32), much slower on a GPU (docs/design.md, "Host code on the device"): logged once as
+  a warning on CUDA.
 - :func:`free_bytes`: what an allocation of that size can use on a CUDA device: the driver's free memory plus
   what torch's caching allocator holds reserved but unused.
 - :func:`device_guard`: ``torch.cuda.device(d)`` for a CUDA device (a Triton launch runs on the *current*

@@ -2,18 +2,18 @@
 
 The logits are formed one token chunk at a time, transposed (``[V_local, n]``, computed as
 ``weight @ hidden_chunk.T``): on CPU this layout runs all three GEMMs (logits, dH, dW) on
-contiguous operands, measured 1.3-1.6x faster than ``hidden @ weight.T`` for thin chunks.
+contiguous operands, measured faster than ``hidden @ weight.T`` for thin chunks.
 Peak extra memory is one ``[V_local, n]`` float32 block (``n`` from :func:`chunk_tokens`) plus
 ``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW accumulator. The block
 is allocated once per call and reused by every chunk (:class:`LogitsBlock`):
-a fresh multi-MiB allocation per chunk costs page faults on every first touch, measured at
-~20% of the logits GEMM at ``n = 128``.
+a fresh multi-MiB allocation per chunk costs page faults on every first touch, a measurable share
+of the logits GEMM for thin chunks (both measured: docs/design.md, "torch (cce_dist/torch_impl.py)").
 
 On a CPU without native GEMMs for a bf16/fp16 compute dtype (no AVX-512-BF16/AMX: the GEMM is
-emulated, measured ~70x slower than float32 here), the GEMM operands are upcast to float32 once
-per call (``+4 * (V_local + N) * D`` bytes) and the logits rounded to the compute dtype after
-the GEMM: the same values as a native low-precision GEMM with float32 accumulation
-(:func:`gemm_inputs`).
+emulated, measured far slower than float32: docs/design.md, "Precision contract"), the GEMM
+operands are upcast to float32 once per call (``+4 * (V_local + N) * D`` bytes) and the logits
+rounded to the compute dtype after the GEMM: the same values as a native low-precision GEMM with
+float32 accumulation (:func:`gemm_inputs`).
 
 No autograd and no torch.distributed here: :mod:`cce_dist.autograd` calls these functions and
 passes a ``reduce_stats`` callback where statistics must be combined across ranks.
