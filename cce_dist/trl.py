@@ -30,15 +30,22 @@ from typing import Any
 import torch
 
 from .api import linear_logprobs
+from .outputs import RowOutput
 
 __all__ = ["MIN_TRL_VERSION", "is_patched", "patch", "unpatch"]
 
 MIN_TRL_VERSION = (1, 16)
 
 #: TRL's per-token field -> cce_dist's row output
-_ROW_OUTPUTS = {"log_sum_sq_probs": "log_sum_sq_probs", "mean_logits": "mean_logit", "is_top1": "is_top1"}
+_ROW_OUTPUTS: dict[str, RowOutput] = {
+    "log_sum_sq_probs": "log_sum_sq_probs",
+    "mean_logits": "mean_logit",
+    "is_top1": "is_top1",
+}
 
 _SAVED: dict[str, Any] = {}
+#: the name under which trl.trainer.utils holds the per-token kernel its fused head calls
+_KERNEL = "_ChunkedLogProbFunction"
 
 
 def _trl_utils():
@@ -48,7 +55,7 @@ def _trl_utils():
     except ImportError as e:  # pragma: no cover - the message is the test
         raise ImportError(f"cce_dist.trl needs TRL >= 1.16: pip install 'cce_dist[trl]' ({e})") from e
     version = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
-    if version < MIN_TRL_VERSION or not hasattr(utils, "_ChunkedLogProbFunction"):
+    if version < MIN_TRL_VERSION or not hasattr(utils, _KERNEL):
         raise ImportError(
             f"cce_dist.trl needs TRL >= {'.'.join(map(str, MIN_TRL_VERSION))} (its fused LM head); found "
             f"{trl.__version__}"
@@ -90,7 +97,7 @@ class CceLogProbs:
         if weight.dtype != dtype:  # TRL's kernel projects in the hidden states' dtype outside autocast
             weight = weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        rows = tuple(_ROW_OUTPUTS[name] for name in _ROW_OUTPUTS if name in outputs)
+        rows: tuple[RowOutput, ...] = tuple(_ROW_OUTPUTS[name] for name in _ROW_OUTPUTS if name in outputs)
         out = linear_logprobs(
             hidden,
             weight,
@@ -113,9 +120,9 @@ def patch(*, tensor_parallel: bool = False) -> None:
     Calling it again replaces the setting. Raises ImportError without TRL >= 1.16."""
     utils = _trl_utils()
     if not _SAVED:
-        _SAVED.update(kernel=utils._ChunkedLogProbFunction, dtensor=utils.DTensor)
-    utils._ChunkedLogProbFunction = CceLogProbs
-    utils.DTensor = _NeverGathered if tensor_parallel else _SAVED["dtensor"]
+        _SAVED.update(kernel=getattr(utils, _KERNEL), dtensor=getattr(utils, "DTensor"))  # noqa: B009
+    setattr(utils, _KERNEL, CceLogProbs)
+    setattr(utils, "DTensor", _NeverGathered if tensor_parallel else _SAVED["dtensor"])  # noqa: B010
 
 
 def unpatch() -> None:
@@ -123,8 +130,8 @@ def unpatch() -> None:
     if not _SAVED:
         raise ValueError("cce_dist.trl is not patched")
     utils = sys.modules["trl.trainer.utils"]
-    utils._ChunkedLogProbFunction = _SAVED["kernel"]
-    utils.DTensor = _SAVED["dtensor"]
+    setattr(utils, _KERNEL, _SAVED["kernel"])
+    setattr(utils, "DTensor", _SAVED["dtensor"])  # noqa: B010
     _SAVED.clear()
 
 
