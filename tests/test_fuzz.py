@@ -47,19 +47,21 @@ from fuzz_common import (
     store_rounding_tol,
 )
 from helpers import TRITON, close_report
-from oracle import oracle_cross_entropy, oracle_logprobs
+from oracle import oracle_cross_entropy, oracle_logits, oracle_logprobs, shift_targets
 
 hyp = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cce_dist import LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs  # noqa: E402
+from cce_dist import ROW_OUTPUTS, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs  # noqa: E402
 
 # examples per property in CI (the README's Reliability figures: python -m benchmarks.reliability_counts)
 CI_TORCH_CE = 120
 CI_TORCH_LP = 80
 CI_TRITON_CE = 14
 CI_TRITON_LP = 8
+CI_TORCH_ROWS = 40
+CI_TRITON_ROWS = 6
 CI_SHARDED_TORCH = 70  # per spawn, every rank runs all of them
 CI_SHARDED_TRITON = 4
 
@@ -344,6 +346,57 @@ def check_logprobs(data, impl: str, small: bool):
         fails
     )
     CHECKED[f"{impl} logprobs"] += 1
+
+
+def check_row_outputs(data, impl: str):
+    """row_outputs against the oracle's logits (the contract's rounding): the predicted token holds the row's
+    maximum (to the logits' rounding: two logits that close may legitimately swap), -1 where ignored; is_top1 is
+    exactly ``valid & (predicted == target)``; log sum p^2 and the mean logit to forward tolerance; the logprobs the
+    same as without row_outputs (bitwise)."""
+    h, w, b, t, m = data.draw(problems(small=impl == "triton", low_precision=True), label="problem")
+    softcap = data.draw(st.sampled_from([None, None, 0.7, 5.0]), label="softcap")
+    temp = data.draw(st.sampled_from([1.0, 0.3, 2.5]), label="temperature")
+    shift = data.draw(st.sampled_from([False, True]), label="shift")
+    kw = dict(ignore_index=m["ignore_index"], softcap=softcap, temperature=temp, shift=shift, impl=impl)
+    with torch.no_grad():
+        lp, rows = linear_logprobs(h, w, t, bias=b, row_outputs=ROW_OUTPUTS, **kw)
+        plain = linear_logprobs(h, w, t, bias=b, **kw)
+        z = oracle_logits(h, w, b, softcap=softcap, temperature=temp, dtype=_compute_dtype(h, w)).double()
+    assert torch.equal(lp, plain)
+    tt = shift_targets(t.long(), shift, m["ignore_index"])
+    valid = tt != m["ignore_index"]
+    assert torch.equal(rows.is_top1, valid & (rows.predicted == tt))
+    assert bool((rows.predicted[~valid] == -1).all())
+    if z.numel() and bool(valid.any()):
+        zmax = z.amax(-1)
+        idx = rows.predicted.clamp(min=0).unsqueeze(-1)
+        picked = z.gather(-1, idx).squeeze(-1)
+        tol_z = 8 * EPS[_compute_dtype(h, w)] * (1 + zmax.abs()) / min(temp, 1.0)
+        assert bool(((zmax - picked)[valid] <= tol_z[valid]).all()), "predicted is not a maximum"
+        p = torch.softmax(z, -1)
+        tol, rtol = fwd_tol(_compute_dtype(h, w), float(z.abs().max()), v=m["v"])
+        want_sq = torch.where(valid, (p * p).sum(-1).log(), 0.0)
+        want_mean = torch.where(valid, z.mean(-1), 0.0)
+        for name, got, want in (
+            ("log_sum_sq_probs", rows.log_sum_sq_probs, want_sq),
+            ("mean_logit", rows.mean_logit, want_mean),
+        ):
+            report = close_report(got.double(), want, atol=tol, rtol=rtol)
+            assert report is None, f"{name}: {report}"
+    CHECKED[f"{impl} row outputs"] += 1
+
+
+@fuzz_settings(CI_TORCH_ROWS)
+@given(data=st.data())
+def test_fuzz_row_outputs_torch(data):
+    check_row_outputs(data, "torch")
+
+
+@needs_triton
+@fuzz_settings(CI_TRITON_ROWS)
+@given(data=st.data())
+def test_fuzz_row_outputs_triton_interpreter(data):
+    check_row_outputs(data, "triton")
 
 
 @fuzz_settings(CI_TORCH_CE)
