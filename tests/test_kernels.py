@@ -32,7 +32,7 @@ from helpers import problem  # noqa: E402
 
 import cce_dist.kernels as K  # noqa: E402
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
-from cce_dist.stats import ENTROPY, MAX, SUM, SUM_SCALE, SUMEXP, TARGET  # noqa: E402
+from cce_dist.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
 from cce_dist.stats import entropy as stats_entropy  # noqa: E402
 from cce_dist.stats import lse as stats_lse  # noqa: E402
 
@@ -93,7 +93,13 @@ def oracle_stats(h, w, b, t, vocab_start, softcap, temperature):
     ex = torch.exp(z - m[:, None])
     loc, ok = local_targets(t, vocab_start, w.shape[0])
     x = torch.where(ok, z.gather(1, loc.clamp(0, w.shape[0] - 1)[:, None])[:, 0], 0.0)
-    return torch.stack([m, ex.sum(1), x, z.sum(1) * SUM_SCALE, (ex * (z - m[:, None])).sum(1)], 1)
+    return torch.stack([m, ex.sum(1), x, z.sum(1) * SUM_SCALE, (ex * (z - m[:, None])).sum(1)] + _no_row_outputs(m), 1)
+
+
+def _no_row_outputs(m):
+    """The ARGMAX / SUMSQ columns as the kernel writes them when no row output asks for them (+inf, 0):
+    tests/test_row_outputs.py checks their values when asked."""
+    return [torch.full_like(m, float("inf")), torch.zeros_like(m)]
 
 
 def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alpha_delta=True):
@@ -182,7 +188,7 @@ COMBOS = [
 def _check_stats(st, h, w, b, t, vocab_start, softcap, temperature):
     ref = oracle_stats(h, w, b, t, vocab_start, softcap, temperature)
     assert st.dtype == torch.float32 and st.shape == ref.shape
-    assert torch.isfinite(st).all()
+    assert torch.isfinite(st[:, :ARGMAX]).all()  # ARGMAX is +inf where no row output asks for it
     v = w.shape[0]
     raw, _, z = oracle_logits(h, w, b, softcap, temperature)
     zmax = z.abs().max().item()
@@ -290,10 +296,11 @@ def test_row_stats_large_logits_entropy_stable():
 def test_row_stats_n0_and_empty_shard():
     h, w, b, t = make_inputs(0, 16, 37, torch.float32, bias=True, vocab_start=0)
     st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0)
-    assert st.shape == (0, 5) and st.dtype == torch.float32
+    assert st.shape == (0, NUM_STATS) and st.dtype == torch.float32
     h, w, b, t = make_inputs(3, 16, 0, torch.float32, bias=True, vocab_start=0)
     st = K.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0).cpu()
-    assert st.shape == (3, 5) and torch.isneginf(st[:, MAX]).all() and (st[:, 1:] == 0).all()
+    assert st.shape == (3, NUM_STATS) and torch.isneginf(st[:, MAX]).all() and (st[:, 1:ARGMAX] == 0).all()
+    assert torch.isposinf(st[:, ARGMAX]).all() and (st[:, SUMSQ] == 0).all()  # an empty slice: no argmax
 
 
 # ------------------------------------------------------------------------------------------------
@@ -785,7 +792,8 @@ def _chunked_reference(h, w, b, t, vs, softcap, temperature, lse, coef, chunk=10
         ex = torch.exp(z - m[:, None])
         loc, ok = local_targets(t[sl], vs, w.shape[0])
         x = torch.where(ok, z.gather(1, loc.clamp(0, w.shape[0] - 1)[:, None])[:, 0], 0.0)
-        stats.append(torch.stack([m, ex.sum(1), x, z.sum(1) * SUM_SCALE, (ex * (z - m[:, None])).sum(1)], 1))
+        cols = [m, ex.sum(1), x, z.sum(1) * SUM_SCALE, (ex * (z - m[:, None])).sum(1)] + _no_row_outputs(m)
+        stats.append(torch.stack(cols, 1))
         p = torch.exp(z - lse[sl, None])
         cf = coef[sl]
         dz = p * (cf[:, ALPHA, None] + cf[:, DELTA, None] * (z - lse[sl, None])) + cf[:, GAMMA, None]
