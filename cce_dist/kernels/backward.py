@@ -747,6 +747,136 @@ def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> 
     )
 
 
+def _pick_schedule(requested, device: torch.device, deterministic: bool) -> tuple[str, str]:
+    """``(schedule, why)``: ``requested`` (``_schedule``) checked, or the default: chunked where its
+    scratch fits, else owner-computes when ``deterministic``, else tiles."""
+    if requested not in (None, *SCHEDULES):
+        raise ValueError(f"_schedule must be None or one of {SCHEDULES}, got {requested!r}")
+    if deterministic and requested == "tiles":
+        raise ValueError(
+            f"_schedule={requested!r} adds with float atomics: not deterministic; use 'chunked' or 'owner'"
+        )
+    if requested is not None:
+        return requested, "requested (_schedule)"
+    fits, why = _chunked_verdict(device, deterministic)
+    return ("chunked" if fits else "owner" if deterministic else "tiles"), why
+
+
+def _outputs(schedule: str, n: int, d: int, v: int, device, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The fp32 ``(dh, dw, db)`` (None where not needed), zeroed, except a chunked ``dw``: the chunked
+    schedule's first row block writes each row of dW (the next ones add to it), so no zero fill."""
+    f32 = dict(dtype=torch.float32, device=device)
+    dh = torch.zeros(n, d, **f32) if need_hidden else None
+    written = schedule == "chunked" and n > 0 and d > 0
+    dw = (torch.empty if written else torch.zeros)(v, d, **f32) if need_weight else None
+    db = torch.zeros(v, **f32) if need_bias else None
+    return dh, dw, db
+
+
+def _tuning(hidden, schedule, props, precision, has_softcap, filt, blocks):
+    """``(blocks, (group_n, warps, stages), props)``: the tile sizes ``(BLOCK_N, BLOCK_V, BLOCK_D,
+    BLOCK_D_OUT)`` and launch parameters from ``_blocks`` (tests), the interpreter's config or
+    :func:`.config.backward_config` for ``props`` (the tensors' CUDA device when None)."""
+    if blocks is not None:
+        return tuple(blocks), (2, 4, 2), props
+    if _INTERPRET:
+        c = _config.INTERPRET_BWD
+    else:
+        if props is None:
+            props = _config.DeviceProps.of(hidden.device)
+        c = _config.backward_config(
+            props,
+            hidden.dtype,
+            tf32=precision == "tf32",
+            softcap=has_softcap,
+            filtering=filt,
+            deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
+        )
+    return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages), props
+
+
+def _kernel_args(
+    hidden, weight, bias, targets, lse, coef, vocab_start, softcap, temperature, filter_eps, precision, blocks
+):
+    """``(common, scalars, flags)``: the tensors, runtime scalars and constexprs every backward
+    kernel takes, in the kernels' parameter order."""
+    n, d = hidden.shape
+    has_softcap = softcap is not None and softcap != 0
+    has_temp = temperature is not None and float(temperature) != 1.0
+    filt = filter_eps is not None
+    common = (hidden, weight, bias if bias is not None else hidden, targets, lse, coef)
+    scalars = (
+        n,
+        weight.shape[0],
+        d,
+        int(vocab_start),
+        float(softcap) if has_softcap else 1.0,
+        float(temperature) if has_temp else 1.0,
+        float(filter_eps) if filt else 0.0,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        targets.stride(0),
+        coef.stride(0),
+        coef.stride(1),
+    )
+    bn, bv, bd, bdo = blocks
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=has_softcap,
+        HAS_TEMP=has_temp,
+        FILTER=filt,
+        GAMMA_IN_TILE=not (filt and not has_softcap),
+        USE_LIBDEVICE=use_libdevice(_INTERPRET),
+        DOT_PRECISION=precision,
+        INTERP_BF16=interp_bf16(hidden.dtype, _INTERPRET),
+        BLOCK_N=bn,
+        BLOCK_V=bv,
+        BLOCK_D=bd,
+        BLOCK_D_OUT=bdo,
+    )
+    return common, scalars, flags
+
+
+def _tiles_launches(common, scalars, flags, dh, dw, db, group_n, launch):
+    """The per-tile schedule: one fused kernel over every (token tile, vocab tile) pair, fp32 atomics."""
+    n, v = scalars[0], scalars[1]
+    dummy = common[4]  # lse, never dereferenced: the matching NEED_* flag is False
+    grid = (triton.cdiv(n, flags["BLOCK_N"]) * triton.cdiv(v, flags["BLOCK_V"]),)
+    outs = tuple(g if g is not None else dummy for g in (dh, dw, db))
+    out_strides = tuple(g.stride(0) if g is not None else 0 for g in (dh, dw))
+    need = dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None)
+    kwargs = dict(**need, GROUP_N=group_n, **flags, **launch)
+    return [(_grads_fused_kernel, grid, (*common, *outs, *scalars, *out_strides), kwargs)]
+
+
+def _owner_launches(common, scalars, flags, dh, dw, db, props, tuned, launch):
+    """The owner-computes schedule: a dH kernel over token tiles, a dW/db kernel over vocab tiles.
+    ``tuned``: the blocks came from the device's config (not ``_blocks``), so the dH kernel may halve
+    its token tile."""
+    n, v = scalars[0], scalars[1]
+    dummy = common[4]  # lse, never dereferenced: the matching NEED_* flag is False
+    launches = []
+    if dh is not None:
+        dh_flags = flags
+        # One program per token tile: halve the tile when that leaves SMs idle, but not below
+        # the 64 rows a wgmma / tcgen05 instruction needs (it would fall back to mma.sync).
+        bn = flags["BLOCK_N"]
+        smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
+        if props is not None and tuned and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
+            dh_flags = dict(flags, BLOCK_N=bn // 2)
+        grid = (triton.cdiv(n, dh_flags["BLOCK_N"]),)
+        launches.append((_grads_dh_kernel, grid, (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
+    if dw is not None or db is not None:
+        outs = (dw if dw is not None else dummy, db if db is not None else dummy)
+        args = (*common, *outs, *scalars, dw.stride(0) if dw is not None else 0)
+        kwargs = dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch)
+        launches.append((_grads_dw_kernel, (triton.cdiv(v, flags["BLOCK_V"]),), args, kwargs))
+    return launches
+
+
 # plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
 # from the device and torch), and grads() passes them on: test_backward_plan_takes_grads_arguments in
 # tests/test_signatures.py compares the two signatures.
@@ -784,146 +914,33 @@ def plan(
     ``allow_tf32``: fp32 matmuls in TF32 (default: ``torch.backends.cuda.matmul.allow_tf32``).
     Other arguments as in :func:`grads`.
     """
-    schedule = _schedule
-    if schedule not in (None, *SCHEDULES):
-        raise ValueError(f"_schedule must be None or one of {SCHEDULES}, got {schedule!r}")
-    if deterministic and schedule == "tiles":
-        raise ValueError(f"_schedule={schedule!r} adds with float atomics: not deterministic; use 'chunked' or 'owner'")
     n, d = hidden.shape
-    v = weight.shape[0]
     device = hidden.device
     need_bias = bool(need_bias) and bias is not None
-    f32 = dict(dtype=torch.float32, device=device)
-    if schedule is None:
-        fits, why = _chunked_verdict(device, deterministic)
-        schedule = "chunked" if fits else "owner" if deterministic else "tiles"
-    else:
-        why = "requested (_schedule)"
-    dh = torch.zeros(n, d, **f32) if need_hidden else None
-    # The chunked schedule's first row block writes each row of dW (the next ones add to it): no zero fill.
-    dw = (
-        (torch.empty if schedule == "chunked" and n > 0 and d > 0 else torch.zeros)(v, d, **f32)
-        if need_weight
-        else None
-    )
-    db = torch.zeros(v, **f32) if need_bias else None
-    if n == 0 or v == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
+    schedule, why = _pick_schedule(_schedule, device, deterministic)
+    dh, dw, db = _outputs(schedule, n, d, weight.shape[0], device, need_hidden, need_weight, need_bias)
+    if n == 0 or weight.shape[0] == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
         return dh, dw, db, []
 
     has_softcap = softcap is not None and softcap != 0
-    has_temp = temperature is not None and float(temperature) != 1.0
-    filt = filter_eps is not None
-    gamma_in_tile = not (filt and not has_softcap)
-    interpret = _INTERPRET
-    precision = dot_precision(hidden.dtype, interpret, allow_tf32)
-
-    if _blocks is not None:
-        bn, bv, bd, bdo = _blocks
-        group_n, warps, stages = 2, 4, 2
-    else:
-        if interpret:
-            c = _config.INTERPRET_BWD
-        else:
-            if props is None:
-                props = _config.DeviceProps.of(device)
-            c = _config.backward_config(
-                props,
-                hidden.dtype,
-                tf32=precision == "tf32",
-                softcap=has_softcap,
-                filtering=filt,
-                deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
-            )
-        bn, bv, bd, bdo = c.block_n, c.block_v, c.block_d, c.block_d_out
-        group_n, warps, stages = c.group_n, c.num_warps, c.num_stages
-    launch = {} if interpret else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+    precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
+    blocks, (group_n, warps, stages), props = _tuning(
+        hidden, schedule, props, precision, has_softcap, filter_eps is not None, _blocks
+    )
+    launch = {} if _INTERPRET else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
     if logger.isEnabledFor(logging.DEBUG):
-        _log_plan(schedule, why, hidden, weight, (bn, bv, bd, bdo), (group_n, warps, stages), _chunk_rows, bias)
-
-    common = (
-        hidden,
-        weight,
-        bias if bias is not None else hidden,
-        targets,
-        lse,
-        coef,
+        _log_plan(schedule, why, hidden, weight, blocks, (group_n, warps, stages), _chunk_rows, bias)
+    common, scalars, flags = _kernel_args(
+        hidden, weight, bias, targets, lse, coef, vocab_start, softcap, temperature, filter_eps, precision, blocks
     )
-    scalars = (
-        n,
-        v,
-        d,
-        int(vocab_start),
-        float(softcap) if has_softcap else 1.0,
-        float(temperature) if has_temp else 1.0,
-        float(filter_eps) if filt else 0.0,
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        targets.stride(0),
-        coef.stride(0),
-        coef.stride(1),
-    )
-    flags = dict(
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=has_softcap,
-        HAS_TEMP=has_temp,
-        FILTER=filt,
-        GAMMA_IN_TILE=gamma_in_tile,
-        USE_LIBDEVICE=use_libdevice(interpret),
-        DOT_PRECISION=precision,
-        INTERP_BF16=interp_bf16(hidden.dtype, interpret),
-        BLOCK_N=bn,
-        BLOCK_V=bv,
-        BLOCK_D=bd,
-        BLOCK_D_OUT=bdo,
-    )
-    dummy = lse  # never dereferenced: the matching NEED_* flag is False
-
-    launches = []
     if schedule == "chunked":
         launches = _chunked_launches(
-            hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch, _chunk_rows
+            *common[:2], bias, *common[3:], dh, dw, db, scalars, flags, group_n, launch, _chunk_rows
         )
     elif schedule == "tiles":
-        grid = (triton.cdiv(n, bn) * triton.cdiv(v, bv),)
-        outs = tuple(g if g is not None else dummy for g in (dh, dw, db))
-        out_strides = tuple(g.stride(0) if g is not None else 0 for g in (dh, dw))
-        need = dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None)
-        kwargs = dict(**need, GROUP_N=group_n, **flags, **launch)
-        launches.append((_grads_fused_kernel, grid, (*common, *outs, *scalars, *out_strides), kwargs))
-    else:  # owner-computes
-        if dh is not None:
-            dh_flags = flags
-            # One program per token tile: halve the tile when that leaves SMs idle, but not below
-            # the 64 rows a wgmma / tcgen05 instruction needs (it would fall back to mma.sync).
-            smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
-            if props is not None and _blocks is None and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
-                dh_flags = dict(flags, BLOCK_N=bn // 2)
-            launches.append(
-                (
-                    _grads_dh_kernel,
-                    (triton.cdiv(n, dh_flags["BLOCK_N"]),),
-                    (*common, dh, *scalars, dh.stride(0)),
-                    dict(**dh_flags, **launch),
-                )
-            )
-        if dw is not None or db is not None:
-            launches.append(
-                (
-                    _grads_dw_kernel,
-                    (triton.cdiv(v, bv),),
-                    (
-                        *common,
-                        dw if dw is not None else dummy,
-                        db if db is not None else dummy,
-                        *scalars,
-                        dw.stride(0) if dw is not None else 0,
-                    ),
-                    dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch),
-                )
-            )
+        launches = _tiles_launches(common, scalars, flags, dh, dw, db, group_n, launch)
+    else:
+        launches = _owner_launches(common, scalars, flags, dh, dw, db, props, _blocks is None, launch)
     return dh, dw, db, launches
 
 
