@@ -20,12 +20,15 @@ from torch import nn
 from . import stats as S
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
+from .class_weight import ClassWeights
 from .driver import Call, plan_call
 from .options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
 from .outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .parallel import VocabShard
 from .prepare import (
     Prepared,
+    check_class_weight,
+    check_class_weight_length,
     check_row_stats_support,
     cross_entropy_result,
     grad_needs,
@@ -38,9 +41,17 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
-def _call(form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions, extra) -> Call:
-    """The driver's description of a one-head call (cross-entropy or logprobs)."""
+def _call(
+    form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions, extra, class_weight=None
+) -> Call:
+    """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's)."""
     needs = stats_needed(opts.row_outputs)
+    smoothing = isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)
+
+    def prepare() -> Prepared:
+        if isinstance(opts, CrossEntropyOptions):
+            check_class_weight(class_weight, hidden, weight, opts)
+        return prepare_rows(hidden, weight, targets, bias, opts, check_ids=True)
 
     def resolve(rows: Prepared) -> Backend:
         backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
@@ -53,11 +64,12 @@ def _call(form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | 
         hidden=hidden,
         weight=weight,
         bias=bias,
-        prepare=lambda: prepare_rows(hidden, weight, targets, bias, opts, check_ids=True),
+        prepare=prepare,
         resolve=resolve,
         extra=lambda rows: extra,
         need_entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
-        need_sum=needs["need_sum"] or (isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)),
+        # with class weights the smoothing term's (weighted) sum is formed outside the implementation
+        need_sum=needs["need_sum"] or (smoothing and class_weight is None),
         need_argmax=needs["need_argmax"],
         need_sumsq=needs["need_sumsq"],
     )
@@ -87,11 +99,11 @@ def _integrations(hidden, weight, targets, bias, opts):
     return hidden, weight, targets, bias, opts
 
 
-def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
+def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
     if torch.compiler.is_compiling():
         from .compile import compiled_cross_entropy
 
-        return compiled_cross_entropy(hidden, weight, targets, bias, opts)
+        return compiled_cross_entropy(hidden, weight, targets, bias, opts, class_weight)
     hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
     fused = (
@@ -100,13 +112,34 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions):
         and not opts.row_outputs
         and opts.grad_in_forward is not False
         and wants_grad
+        # class weights' mean divides the z-loss by the token count, the cross-entropy by the weights' sum
+        and not (class_weight is not None and opts.z_loss and opts.reduction == "mean")
     )
-    extra = (("whether any of hidden/weight/bias requires grad", wants_grad), ("grad_in_forward (in effect)", fused))
-    rows, plan = plan_call(_call("cross-entropy", hidden, weight, targets, bias, opts, extra))
+    extra = (
+        ("whether any of hidden/weight/bias requires grad", wants_grad),
+        ("grad_in_forward (in effect)", fused),
+        ("class_weight's length", None if not isinstance(class_weight, torch.Tensor) else class_weight.numel()),
+    )
+    rows, plan = plan_call(_call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight))
+    cw = None
+    if class_weight is not None:
+        check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
+        valid = rows.targets != opts.ignore_index
+        cw = ClassWeights.of(
+            class_weight,
+            rows.targets,
+            valid,
+            vocab_start=plan.vocab_start,
+            v_local=weight.shape[0],
+            label_smoothing=opts.label_smoothing,
+        )
     if fused and plan.backend.FUSED_CHUNKING:
-        return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
-    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
-    return _with_row_outputs(cross_entropy_result(loss_rows, lse, rows, opts), stats, rows, plan, opts)
+        return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts, cw)
+    # with class weights the z-loss is added from the returned lse (cross_entropy_result)
+    rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
+    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, rows_opts, cw)
+    result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else cw.rows)
+    return _with_row_outputs(result, stats, rows, plan, opts)
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
@@ -135,6 +168,7 @@ def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() ma
     targets: Tensor,
     *,
     bias: Tensor | None = ...,
+    class_weight: Tensor | None = ...,
     ignore_index: int = ...,
     reduction: Reduction = ...,
     label_smoothing: float = ...,
@@ -157,6 +191,7 @@ def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() ma
     targets: Tensor,
     *,
     bias: Tensor | None = ...,
+    class_weight: Tensor | None = ...,
     ignore_index: int = ...,
     reduction: Reduction = ...,
     label_smoothing: float = ...,
@@ -179,6 +214,7 @@ def linear_cross_entropy(  # type: ignore[overload-overlap]  # row_outputs=() ma
     targets: Tensor,
     *,
     bias: Tensor | None = ...,
+    class_weight: Tensor | None = ...,
     ignore_index: int = ...,
     reduction: Reduction = ...,
     label_smoothing: float = ...,
@@ -201,6 +237,7 @@ def linear_cross_entropy(
     targets: Tensor,
     *,
     bias: Tensor | None = ...,
+    class_weight: Tensor | None = ...,
     ignore_index: int = ...,
     reduction: Reduction = ...,
     label_smoothing: float = ...,
@@ -224,6 +261,7 @@ def linear_cross_entropy(
     targets: Tensor,
     *,
     bias: Tensor | None = None,
+    class_weight: Tensor | None = None,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
@@ -253,6 +291,12 @@ def linear_cross_entropy(
             compared as int64);
             ``targets.shape == hidden.shape[:-1]`` (the gathered shape under sequence parallelism).
         bias: ``[V_local]`` or None.
+        class_weight: ``[V]`` floating, the whole (global) vocabulary's weights on every rank, or None:
+            ``F.cross_entropy(weight=)``'s per-class weights (each rank reads its shard's slice). The
+            target's weight scales its row, label smoothing weighs each class by its weight, and
+            ``mean`` divides by the sum of the counted targets' weights (0 when that sum is 0).
+            A constant: it must not require grad. With ``label_smoothing`` it needs
+            ``softcap=None`` (and no ``"mean_logit"`` row output). ``z_loss`` is added unweighted.
         ignore_index: targets equal to it contribute 0 loss and no gradient.
         reduction: ``"mean"`` over non-ignored tokens (0, not NaN, when all are ignored),
             ``"sum"`` or ``"none"`` (per-token loss, targets' shape, 0 at ignored positions).
@@ -286,7 +330,7 @@ def linear_cross_entropy(
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
     opts = CrossEntropyOptions.from_keywords(locals())
-    return _cross_entropy(hidden, weight, targets, bias, opts)
+    return _cross_entropy(hidden, weight, targets, bias, opts, class_weight)
 
 
 @overload
@@ -412,8 +456,9 @@ def linear_logprobs(
 class LinearCrossEntropy(nn.Module):
     """Module form of :func:`linear_cross_entropy`; takes the same keyword options.
 
-    ``forward(hidden [..., D], weight [V_local, D], targets [...], bias=None)``. The options are
-    held in one frozen :class:`cce_dist.CrossEntropyOptions` (``.options``).
+    ``forward(hidden [..., D], weight [V_local, D], targets [...], bias=None, class_weight=None)``
+    (``class_weight [V]`` as in :func:`linear_cross_entropy`). The options are held in one frozen
+    :class:`cce_dist.CrossEntropyOptions` (``.options``).
     """
 
     def __init__(self, **options) -> None:
@@ -421,9 +466,14 @@ class LinearCrossEntropy(nn.Module):
         self.options = CrossEntropyOptions(**options)
 
     def forward(
-        self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None = None,
+        class_weight: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor | tuple[Tensor, Tensor], RowOutputs]:
-        return _cross_entropy(hidden, weight, targets, bias, self.options)
+        return _cross_entropy(hidden, weight, targets, bias, self.options, class_weight)
 
     def extra_repr(self) -> str:
         defaults = CrossEntropyOptions()

@@ -24,6 +24,7 @@ import torch
 from . import formulas
 from . import stats as S
 from .backend import Backend, Capabilities
+from .class_weight import ClassWeights, add_smoothing_grads, split_uniform, weighted_logit_sum
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
 from .prepare import to_dtype
@@ -56,22 +57,26 @@ def _no_autocast(device: torch.device):
 
 
 def _forward_stats(
-    plan: Plan[Backend], hidden, weight, bias, targets, softcap, temperature
+    plan: Plan[Backend], hidden, weight, bias, targets, softcap, temperature, cw: ClassWeights | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
     (``h``), and the row statistics reduced over the group (the row outputs' columns too where the backend forms
-    them: ``need_argmax`` / ``need_sumsq``)."""
+    them: ``need_argmax`` / ``need_sumsq``). ``cw``: class weights whose smoothing term puts the weighted logit sum
+    in the SUM column (:mod:`cce_dist.class_weight`), before the exchange sums it."""
     h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
+    w, b = weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype)
     local = plan.backend.row_stats(
         h,
-        weight.to(plan.compute_dtype),
-        to_dtype(bias, plan.compute_dtype),
+        w,
+        b,
         targets,
         vocab_start=plan.vocab_start,
         softcap=softcap,
         temperature=temperature,
         **plan.backend_kwargs.get("row_stats", {}),
     )
+    if cw is not None and cw.smoothing:
+        local[:, S.SUM] = weighted_logit_sum(h, w, b, cw.local, softcap)
     kw = plan.backend_kwargs.get("row_stats", {})
     return h, plan.comm.reduce_stats(local, extras=bool(kw.get("need_argmax") or kw.get("need_sumsq")))
 
@@ -102,11 +107,24 @@ def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     return bool(need_h), bool(need_w), bool(need_b and bias is not None)
 
 
-def _backward_grads(ctx, plan: Plan[Backend], saved, coef: torch.Tensor, lse: torch.Tensor, softcap, temperature):
+def _backward_grads(
+    ctx,
+    plan: Plan[Backend],
+    saved,
+    coef: torch.Tensor,
+    lse: torch.Tensor,
+    softcap,
+    temperature,
+    cw: ClassWeights | None = None,
+):
     """``saved = (h, weight, bias, targets)``: read from ``ctx.saved_tensors`` once by the caller (non-reentrant
-    checkpointing allows each saved tensor to be unpacked only once)."""
+    checkpointing allows each saved tensor to be unpacked only once). ``cw``: class weights, whose smoothing term
+    (``GAMMA * w_j``) is applied here in closed form rather than by the implementation."""
     h, weight, bias, targets = saved
     need_h, need_w, need_b = needed_input_grads(ctx, bias)
+    gamma = None
+    if cw is not None and cw.smoothing:
+        coef, gamma = split_uniform(coef)
     with _no_autocast(h.device):
         w = weight.to(plan.compute_dtype)
         b = to_dtype(bias, plan.compute_dtype)
@@ -125,6 +143,9 @@ def _backward_grads(ctx, plan: Plan[Backend], saved, coef: torch.Tensor, lse: to
             need_bias=need_b,
             **plan.backend_kwargs.get("grads", {}),
         )
+        if gamma is not None:
+            assert cw is not None
+            add_smoothing_grads(h, w, b, cw.local, gamma, (dh, dw, db), softcap)
         return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias)
 
 
@@ -162,21 +183,30 @@ class CrossEntropyRows(torch.autograd.Function):
     differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions):
+    def forward(
+        ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions, cw: ClassWeights | None
+    ):
         with _no_autocast(hidden.device):
-            h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, 1.0)
+            h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, 1.0, cw)
             valid = targets != opts.ignore_index
             loss, lse = formulas.cross_entropy_rows(
-                stats, valid, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
+                stats,
+                valid,
+                label_smoothing=opts.label_smoothing,
+                z_loss=opts.z_loss,
+                vocab_size=plan.vocab_size,
+                class_weights=None if cw is None else cw.terms,
             )
             residual = formulas.lse_residual(stats)
         save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
+        ctx.cw = cw
         ctx.mark_non_differentiable(stats)
         return loss, lse, stats
 
     @staticmethod
     def backward(ctx, g_loss, g_lse, _g_stats):
         plan, opts, saved, valid, (lse, residual) = saved_inputs(ctx)
+        cw = ctx.cw
         coef = formulas.cross_entropy_coef(
             lse,
             valid,
@@ -186,8 +216,9 @@ class CrossEntropyRows(torch.autograd.Function):
             z_loss=opts.z_loss,
             vocab_size=plan.vocab_size,
             residual=residual,
+            class_weights=None if cw is None else cw.terms,
         )
-        return _backward_grads(ctx, plan, saved, coef, lse, opts.softcap, 1.0) + (None, None, None)
+        return _backward_grads(ctx, plan, saved, coef, lse, opts.softcap, 1.0, cw) + (None, None, None, None)
 
 
 class LogprobRows(torch.autograd.Function):
@@ -253,7 +284,9 @@ class FusedCrossEntropy(HoldsGradients):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions):
+    def forward(
+        ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions, cw: ClassWeights | None
+    ):
         need_h, need_w, need_b = needed_input_grads(ctx, bias)
         comm = plan.comm
         with _no_autocast(hidden.device):
@@ -261,12 +294,35 @@ class FusedCrossEntropy(HoldsGradients):
             w, b = weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype)
             valid = targets != opts.ignore_index
             n_valid = int(valid.sum().item())
-            scale = 1.0 / max(n_valid, 1) if opts.reduction == "mean" else 1.0
-            unit = 2.0 ** (1 - math.frexp(scale)[1])  # scale * unit in [1, 2); a power of two, so exact to undo
+            scale = 1.0
+            if opts.reduction == "mean":
+                # torch's normalizer: the number of counted rows, or with class weights the sum of their weights
+                total = n_valid if cw is None else float(cw.rows.sum().item())
+                scale = 1.0 / total if total != 0 else 0.0  # no row counts: the mean is 0, its gradient too
+            unit = 2.0 ** (1 - math.frexp(scale)[1])  # |scale| * unit in [1, 2); a power of two, so exact to undo
+            terms = None if cw is None else cw.terms
             kw: dict[str, Any] = dict(
                 label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
             )
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
+            smoothing = cw is not None and cw.smoothing
+
+            def coef_fn(lse: torch.Tensor, sl: slice) -> torch.Tensor:
+                c = formulas.cross_entropy_coef(
+                    lse,
+                    valid[sl],
+                    ones.expand_as(lse),
+                    None,
+                    residual=None,
+                    class_weights=None if terms is None else (terms[0][sl], terms[1]),
+                    **kw,
+                )
+                return split_uniform(c)[0] if smoothing else c
+
+            def rows_fn(st: torch.Tensor, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+                t = None if terms is None else (terms[0][sl], terms[1])
+                return formulas.cross_entropy_rows(st, valid[sl], class_weights=t, **kw)
+
             loss_rows, _, dh, dw, db = fused_cross_entropy(
                 h,
                 w,
@@ -274,10 +330,8 @@ class FusedCrossEntropy(HoldsGradients):
                 targets,
                 valid,
                 scale * unit,
-                coef_fn=lambda lse, v: formulas.cross_entropy_coef(
-                    lse, v, ones.expand_as(lse), None, residual=None, **kw
-                ),
-                rows_fn=lambda st, v: formulas.cross_entropy_rows(st, v, **kw),
+                coef_fn=coef_fn,
+                rows_fn=rows_fn,
                 vocab_start=plan.vocab_start,
                 softcap=opts.softcap,
                 chunk_tokens_=plan.chunk_tokens,
@@ -285,8 +339,15 @@ class FusedCrossEntropy(HoldsGradients):
                 need_weight=need_w,
                 need_bias=need_b,
                 reduce_stats=comm.reduce_stats if comm.active else None,
-                need_sum=bool(opts.label_smoothing),
+                need_sum=bool(opts.label_smoothing) and not smoothing,
+                sum_column=weighted_logit_sum(h, w, b, cw.local, opts.softcap)
+                if smoothing and cw is not None
+                else None,
             )
+            if smoothing and cw is not None:
+                eps = formulas.effective_smoothing(opts.label_smoothing, plan.vocab_size)
+                gamma = torch.where(valid, -eps / plan.vocab_size * scale * unit, 0.0).float()
+                add_smoothing_grads(h, w, b, cw.local, gamma, (dh, dw, db), opts.softcap)
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale

@@ -37,11 +37,13 @@ from torch import Tensor
 from . import formulas
 from . import stats as S
 from .autograd import needed_input_grads, refuse_second_order
+from .class_weight import ClassWeights, add_smoothing_grads, row_weights, split_uniform, weighted_logit_sum
 from .options import CrossEntropyOptions, LogprobOptions
 from .outputs import check_row_outputs, row_outputs, stats_needed
 from .prepare import (
     Prepared,
     backend_kwargs,
+    check_class_weight,
     check_row_stats_support,
     cross_entropy_result,
     is_dtensor,
@@ -132,8 +134,14 @@ def _grads(
     need_hidden,
     need_weight,
     need_bias,
+    class_weights: ClassWeights | None = None,
 ):
+    """The gradients from ``coef``; ``class_weights``: their smoothing term is applied here, beside the
+    implementation's (:mod:`cce_dist.class_weight`)."""
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
+    gamma = None
+    if class_weights is not None and class_weights.smoothing:
+        coef, gamma = split_uniform(coef)
     # deterministic: torch.use_deterministic_algorithms is read when the op runs, as eager reads it when the loss is
     # called
     kw = backend_kwargs(
@@ -146,10 +154,11 @@ def _grads(
     )
     need_bias = need_bias and bias is not None
     with torch.autocast(hidden.device.type, enabled=False):
+        h, w, b = hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype)
         dh, dw, db = backend.grads(
-            hidden.to(compute_dtype),
-            weight.to(compute_dtype),
-            to_dtype(bias, compute_dtype),
+            h,
+            w,
+            b,
             targets,
             lse,
             coef,
@@ -161,6 +170,9 @@ def _grads(
             need_bias=need_bias,
             **kw["grads"],
         )
+        if gamma is not None:
+            assert class_weights is not None
+            add_smoothing_grads(h, w, b, class_weights.local, gamma, (dh, dw, db), softcap)
     # unused gradients come back as distinct empty tensors (outputs of a custom op must not alias)
     return (
         hidden.new_empty(0) if dh is None else dh.to(hidden.dtype),
@@ -185,6 +197,7 @@ def _ce_rows(
     weight: Tensor,
     bias: Tensor | None,
     targets: Tensor,
+    class_weight: Tensor | None,
     compute_dtype: torch.dtype,
     ignore_index: int,
     label_smoothing: float,
@@ -199,6 +212,8 @@ def _ce_rows(
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
     _check_targets(targets, ignore_index, vocab)
+    valid = targets != ignore_index
+    cw = _class_weights(class_weight, targets, valid, vocab, label_smoothing)
     stats = _stats(
         hidden,
         weight,
@@ -210,14 +225,32 @@ def _ce_rows(
         impl=impl,
         chunk_size=chunk_size,
         need_entropy=False,
-        need_sum=bool(label_smoothing),
+        need_sum=bool(label_smoothing) and cw is None,
         row_outputs=row_outputs,
     )
-    valid = targets != ignore_index
+    if cw is not None and cw.smoothing:
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w, b = hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype)
+            stats[:, S.SUM] = weighted_logit_sum(h, w, b, cw.local, softcap)
     loss, lse = formulas.cross_entropy_rows(
-        stats, valid, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab
+        stats,
+        valid,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        vocab_size=vocab,
+        class_weights=None if cw is None else cw.terms,
     )
     return loss, lse, formulas.lse_residual(stats), stats
+
+
+def _class_weights(class_weight, targets, valid, vocab: int, label_smoothing: float) -> ClassWeights | None:
+    return (
+        None
+        if class_weight is None
+        else ClassWeights.of(
+            class_weight, targets, valid, vocab_start=0, v_local=vocab, label_smoothing=label_smoothing
+        )
+    )
 
 
 @_ce_rows.register_fake
@@ -233,6 +266,7 @@ def _ce_rows_backward(
     weight: Tensor,
     bias: Tensor | None,
     targets: Tensor,
+    class_weight: Tensor | None,
     lse: Tensor,
     lse_residual: Tensor,
     g_loss: Tensor,
@@ -252,6 +286,7 @@ def _ce_rows_backward(
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     valid = targets != ignore_index
+    cw = _class_weights(class_weight, targets, valid, weight.shape[0], label_smoothing)
     coef = formulas.cross_entropy_coef(
         lse,
         valid,
@@ -261,6 +296,7 @@ def _ce_rows_backward(
         z_loss=z_loss,
         vocab_size=weight.shape[0],
         residual=lse_residual,
+        class_weights=None if cw is None else cw.terms,
     )
     return _grads(
         hidden,
@@ -279,6 +315,7 @@ def _ce_rows_backward(
         need_hidden=need_hidden,
         need_weight=need_weight,
         need_bias=need_bias,
+        class_weights=cw,
     )
 
 
@@ -297,9 +334,9 @@ def _(hidden, weight, bias, *rest):
 
 
 def _ce_setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets = inputs[:4]
-    ctx.save_for_backward(hidden, weight, bias, targets, output[1], output[2])
-    ctx.args = inputs[4:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, rows, fe, det
+    hidden, weight, bias, targets, class_weight = inputs[:5]
+    ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[1], output[2])
+    ctx.args = inputs[5:]  # compute_dtype, ignore_index, label_smoothing, z_loss, softcap, impl, chunk, rows, fe, det
 
 
 def _refuse_second_order() -> None:
@@ -325,14 +362,14 @@ def _input_grads(ctx, needs, dh, dw, db) -> tuple:
 def _ce_backward(ctx, g_loss, g_lse, g_residual, g_stats):
     del g_residual, g_stats  # not differentiable outputs of the API
     _refuse_second_order()
-    hidden, weight, bias, targets, lse, residual = ctx.saved_tensors
+    hidden, weight, bias, targets, class_weight, lse, residual = ctx.saved_tensors
     needs = needed_input_grads(ctx, bias)
     g_loss = torch.zeros_like(lse) if g_loss is None else g_loss
     g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
     dh, dw, db = torch.ops.cce_dist.ce_rows_backward(
-        hidden, weight, bias, targets, lse, residual, g_loss, g_lse, *ctx.args, *needs
+        hidden, weight, bias, targets, class_weight, lse, residual, g_loss, g_lse, *ctx.args, *needs
     )
-    return _input_grads(ctx, needs, dh, dw, db)
+    return _input_grads(ctx, needs, dh, dw, db) + (None,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,26 +539,37 @@ def _with_row_outputs(result, stats: Tensor, rows: Prepared, opts, vocab_size: i
 
 
 def compiled_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: CrossEntropyOptions
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    opts: CrossEntropyOptions,
+    class_weight: Tensor | None = None,
 ):
     """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
+    check_class_weight(class_weight, hidden, weight, opts)
     rows, extra = _prepare(hidden, weight, targets, bias, opts)
     loss_rows, lse, _, stats = torch.ops.cce_dist.ce_rows(
         rows.hidden,
         weight,
         bias,
         rows.targets,
+        class_weight,
         rows.compute_dtype,
         opts.ignore_index,
         float(opts.label_smoothing),
-        float(opts.z_loss),
+        float(opts.z_loss) if class_weight is None else 0.0,  # class weights: added from the lse (eager's rule)
         opts.softcap,
         opts.impl,
         opts.chunk_size,
         ",".join(opts.row_outputs),
         *extra,
     )
-    return _with_row_outputs(cross_entropy_result(loss_rows, lse, rows, opts), stats, rows, opts, weight.shape[0])
+    w_t = None
+    if class_weight is not None:
+        w_t = row_weights(class_weight.detach(), rows.targets, rows.targets != opts.ignore_index)
+    result = cross_entropy_result(loss_rows, lse, rows, opts, w_t)
+    return _with_row_outputs(result, stats, rows, opts, weight.shape[0])
 
 
 def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: LogprobOptions):

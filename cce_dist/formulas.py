@@ -12,7 +12,7 @@ from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
 
 
-def _effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
+def effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
     """``label_smoothing``, or 0 for a one-entry vocabulary, where the smoothing term ``lse - mean_j z_j`` is 0
     identically: its gradient terms (``eps`` at the target, ``-eps/V`` everywhere) cancel exactly in the math, and
     forming them would leave their rounding (an ulp of ``eps * g``) in place of the z-loss term they swamp."""
@@ -54,19 +54,30 @@ def fold_lse_residual(coef: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
 
 
 def cross_entropy_rows(
-    stats: torch.Tensor, valid: torch.Tensor, *, label_smoothing: float, z_loss: float, vocab_size: int
+    stats: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+    class_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and lse, ``float32 [N]`` each; the loss is 0 where ``valid`` is False.
 
     ``loss = (1-eps)*(lse - z_t) + eps*(lse - mean_j z_j) + z_loss*lse**2``, its first term formed as
     ``(m - z_t) + log(s)``: a confident row's loss (~1 - p) is then exact to a float32 rounding, as in the
     materialized ``log_softmax``, instead of carrying an ulp of the logits' magnitude.
+
+    ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.class_weight`), with the SUM column
+    holding ``sum_j w_j z_j``: ``loss = (1-eps)*w_t*(lse - z_t) + eps*((W/V)*lse - mean_j w_j z_j) + z_loss*lse**2``.
     """
     lse = S.lse(stats)
     loss = (stats[:, S.MAX] - stats[:, S.TARGET]) + torch.log(stats[:, S.SUMEXP])
-    label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
+    if class_weights is not None:
+        loss = class_weights[0] * loss
+    label_smoothing = effective_smoothing(label_smoothing, vocab_size)
     if label_smoothing:
-        smooth = lse - S.mean_logit(stats, vocab_size)
+        smooth = (lse if class_weights is None else class_weights[1] * lse) - S.mean_logit(stats, vocab_size)
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse
@@ -84,22 +95,29 @@ def cross_entropy_coef(
     z_loss: float,
     vocab_size: int,
     residual: torch.Tensor | None,
+    class_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Coefficients ``float32 [N, NUM_COEFS]`` of d(loss, lse)/dz for upstream ``g_loss``, ``g_lse``, for a
     backward that forms ``p = exp(z - lse)``. ``residual``: :func:`lse_residual` of the row statistics (folded in
     by :func:`fold_lse_residual`), or None where ``p`` is formed exactly otherwise (the fused torch path's
-    ``exp(z - m) / s``)."""
+    ``exp(z - m) / s``). ``class_weights``: as in :func:`cross_entropy_rows`; GAMMA is then the factor of ``w_j``
+    (``-eps/V * g``, applied by :func:`cce_dist.class_weight.add_smoothing_grads`), and
+    ``ALPHA = g*((1-eps)*w_t + eps*W/V + 2*zl*lse)``, ``BETA = g*(eps*W/V + 2*zl*lse)``."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
-    label_smoothing = _effective_smoothing(label_smoothing, vocab_size)
+    label_smoothing = effective_smoothing(label_smoothing, vocab_size)
     alpha = g
+    if class_weights is not None:
+        w_t, mean_w = class_weights
+        alpha = g * ((1.0 - label_smoothing) * w_t + label_smoothing * mean_w)
     if z_loss:  # where(): an ignored row has g = 0 but may have lse = NaN, and 0 * NaN is NaN
-        alpha = torch.where(valid, g * (1.0 + 2.0 * z_loss * lse), torch.zeros_like(g))
+        z_term = g * (1.0 + 2.0 * z_loss * lse) if class_weights is None else alpha + g * (2.0 * z_loss * lse)
+        alpha = torch.where(valid, z_term, torch.zeros_like(g))
     if g_lse is not None:  # the returned lse is differentiable on every row, ignored or not
         alpha = alpha + g_lse.float()
     coef[:, ALPHA] = alpha
     # BETA is the target's excess over ALPHA, formed without the cancellation of ALPHA - g*(1-eps)
-    beta = label_smoothing * g
+    beta = label_smoothing * g if class_weights is None else label_smoothing * class_weights[1] * g
     if z_loss:
         beta = beta + torch.where(valid, g * (2.0 * z_loss * lse), torch.zeros_like(g))
     if g_lse is not None:

@@ -237,6 +237,52 @@ def known_vocab(weight: Tensor, shard: VocabShard | None) -> int | None:
     return shard.stop if shard.world_size == 1 else None
 
 
+def check_class_weight(class_weight: Any, hidden: Any, weight: Any, opts: CrossEntropyOptions) -> None:
+    """``class_weight``: None, or a floating ``[V]`` tensor of the full vocabulary's weights (every rank passes the
+    whole vector) on hidden's device, not requiring grad; raises TypeError / ValueError naming it. Its length is
+    checked against the vocabulary where this rank knows it; a larger group compares it in the handshake and checks
+    it against the agreed vocabulary (:func:`check_class_weight_length`)."""
+    if class_weight is None:
+        return
+    if is_dtensor(class_weight):
+        raise TypeError(
+            "class_weight must be a plain torch.Tensor [V] holding the whole vocabulary's weights, got a "
+            "DTensor: pass class_weight.full_tensor()"
+        )
+    if not isinstance(class_weight, Tensor):
+        raise TypeError(f"class_weight must be a torch.Tensor [V] or None, got {type(class_weight).__name__}")
+    if not class_weight.is_floating_point():
+        raise TypeError(f"class_weight must be a floating point tensor, got {class_weight.dtype}")
+    if class_weight.dim() != 1:
+        raise ValueError(f"class_weight must be 1-D [V], got shape {tuple(class_weight.shape)}")
+    if isinstance(hidden, Tensor) and class_weight.device != hidden.device:
+        raise ValueError(f"class_weight is on {class_weight.device}, hidden on {hidden.device}: put them on one device")
+    if class_weight.requires_grad:
+        raise ValueError(
+            "class_weight must not require grad: cce_dist treats the class weights as constants (pass "
+            "class_weight.detach())"
+        )
+    if opts.label_smoothing and "mean_logit" in opts.row_outputs:
+        raise ValueError(
+            "row_outputs 'mean_logit' cannot be combined with class_weight and label_smoothing > 0 (the statistic "
+            "carries the weighted logit sum then): compute the mean logit in a second call without class_weight"
+        )
+    vocab = known_vocab(weight, opts.shard) if isinstance(weight, Tensor) else None
+    if vocab is not None:
+        check_class_weight_length(class_weight, vocab)
+    elif opts.shard is not None and class_weight.shape[0] < opts.shard.stop:
+        check_class_weight_length(class_weight, opts.shard.stop)
+
+
+def check_class_weight_length(class_weight: Tensor | None, vocab_size: int) -> None:
+    """``class_weight`` (when given) must hold one weight per id of the (global) vocabulary."""
+    if class_weight is not None and class_weight.shape[0] != vocab_size:
+        raise ValueError(
+            f"class_weight must hold the whole vocabulary's weights, [V] = [{vocab_size}], on every rank; got "
+            f"[{class_weight.shape[0]}]"
+        )
+
+
 def prepare_rows(
     hidden: Any, weight: Any, targets: Any, bias: Any, opts: CommonOptions, *, check_ids: bool
 ) -> Prepared:
@@ -379,13 +425,19 @@ def backend_kwargs(
 # ----------------------------------------------------------------------------------------------
 
 
-def reduce_loss(loss_rows: Tensor, valid: Tensor, reduction: Reduction, shape: tuple[int, ...]) -> Tensor:
+def reduce_loss(
+    loss_rows: Tensor, valid: Tensor, reduction: Reduction, shape: tuple[int, ...], row_weights: Tensor | None = None
+) -> Tensor:
     """The per-row loss ``float32 [N]`` reduced as every loss reduces it: ``mean`` over the counted rows (``valid``;
-    0, not NaN, when none counts), ``sum``, or ``none`` (``shape``)."""
+    0, not NaN, when none counts), ``sum``, or ``none`` (``shape``). ``row_weights`` (class weights, ``float32
+    [N]``): the mean divides by their sum instead, as torch's weighted mean does (0 when that sum is 0)."""
     if reduction == "none":
         return loss_rows.reshape(shape)
     if reduction == "sum":
         return loss_rows.sum()
+    if row_weights is not None:
+        total = row_weights.sum()
+        return torch.where(total != 0, loss_rows.sum() / torch.where(total != 0, total, 1.0), 0.0)
     return loss_rows.sum() / valid.sum().clamp(min=1)
 
 
@@ -395,10 +447,29 @@ def row_mask(rows: Prepared, ignore_index: int) -> Tensor:
 
 
 def cross_entropy_result(
-    loss_rows: Tensor, lse: Tensor | None, rows: Prepared, opts: CrossEntropyOptions
+    loss_rows: Tensor, lse: Tensor | None, rows: Prepared, opts: CrossEntropyOptions, row_weights: Tensor | None = None
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The reduced loss (:func:`reduce_loss`), and with ``return_lse`` the lse in the targets' shape."""
-    loss = reduce_loss(loss_rows, row_mask(rows, opts.ignore_index), opts.reduction, rows.shape)
+    """The reduced loss (:func:`reduce_loss`), and with ``return_lse`` the lse in the targets' shape.
+
+    ``row_weights`` (class weights: the targets' weights, ``float32 [N]``): ``loss_rows`` are the weighted rows
+    without the z-loss, which is added here from ``lse``: ``z_loss * lse**2`` per counted token, averaged over the
+    counted tokens under ``mean`` while the cross-entropy is divided by the sum of the weights (torch's weighted mean
+    for the cross-entropy, and Liger's for the z-loss)."""
+    valid = row_mask(rows, opts.ignore_index)
+    if row_weights is None:
+        loss = reduce_loss(loss_rows, valid, opts.reduction, rows.shape)
+    else:
+        assert lse is not None, "class weights need the lse rows"
+        z = None
+        if opts.z_loss:
+            lse_v = torch.where(valid, lse, 0.0)  # where(), first: an ignored row's lse may be NaN
+            z = opts.z_loss * lse_v * lse_v
+        if opts.reduction == "mean":
+            loss = reduce_loss(loss_rows, valid, "mean", rows.shape, row_weights)
+            if z is not None:
+                loss = loss + reduce_loss(z, valid, "mean", rows.shape)
+        else:
+            loss = reduce_loss(loss_rows if z is None else loss_rows + z, valid, opts.reduction, rows.shape)
     if opts.return_lse:
         assert lse is not None, "return_lse needs the lse rows"
         return loss, lse.reshape(rows.shape)

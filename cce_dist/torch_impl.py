@@ -393,8 +393,8 @@ def fused_cross_entropy(
     targets: torch.Tensor,
     valid: torch.Tensor,
     row_grad: float,
-    coef_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    rows_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    coef_fn: Callable[[torch.Tensor, slice], torch.Tensor],
+    rows_fn: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]],
     *,
     vocab_start: int,
     softcap: float | None,
@@ -404,15 +404,18 @@ def fused_cross_entropy(
     need_bias: bool,
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
     need_sum: bool = True,
+    sum_column: torch.Tensor | None = None,
 ):
     """Loss rows and gradients in one pass over token chunks (3 GEMMs; the scalar-loss schedule).
 
     Each chunk's full rows of logits give the (global, via ``reduce_stats``) statistics, then the
-    loss rows via ``rows_fn(stats, valid) -> (loss, lse)`` and, while the logits are still held,
+    loss rows via ``rows_fn(stats, rows) -> (loss, lse)`` and, while the logits are still held,
     the gradient for an upstream gradient of ``row_grad`` on every valid row via
-    ``coef_fn(lse, valid) -> coef`` (``p`` is formed as ``exp(z - m) / s``, exactly: the coefficients need no
+    ``coef_fn(lse, rows) -> coef`` (``rows``: the chunk's slice of the N rows; ``p`` is formed as
+    ``exp(z - m) / s``, exactly: the coefficients need no
     :func:`~cce_dist.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
-    ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing).
+    ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing);
+    ``sum_column`` (``float32 [N]``) replaces this shard's SUM column before the exchange (class weights).
     Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
     n_tokens = hidden.shape[0]
@@ -426,13 +429,15 @@ def fused_cross_entropy(
         # A function per chunk, so its temporaries die before the next chunk starts.
         z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
         local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
+        if sum_column is not None:
+            local[:, S.SUM] = sum_column[sl]
         glob = reduce_stats(local) if reduce_stats is not None else local
-        loss[sl], lse[sl] = rows_fn(glob, valid[sl])
+        loss[sl], lse[sl] = rows_fn(glob, sl)
         if acc.dh is None and acc.dw is None and acc.db is None:
             return
         # p = exp(z - m_local) * exp(m_local - m) / s, the factor joining alpha's pass: exact to a few float32
         # roundings, where exp(m_local - lse) would carry the rounding of lse (an ulp of the logits' magnitude)
-        c = coef_fn(lse[sl], valid[sl]) * row_grad
+        c = coef_fn(lse[sl], sl) * row_grad
         inactive = _inactive_rows(c)
         p_scale = torch.exp(local[:, S.MAX] - glob[:, S.MAX]) / glob[:, S.SUMEXP]
         dz = _finish_dz(z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale)

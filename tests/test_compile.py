@@ -156,13 +156,16 @@ def _op_args():
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_opcheck(with_bias):
+@pytest.mark.parametrize("with_class_weight", [False, True])
+def test_opcheck(with_bias, with_class_weight):
     h, w, b, t = _op_args()
     b = b if with_bias else None
+    cw = torch.rand(w.shape[0]) + 0.5 if with_class_weight else None
     chunk = 16  # several vocab chunks
     ops = torch.ops.cce_dist
+    rows = ROWS if not with_class_weight else "predicted,is_top1,log_sum_sq_probs"  # mean_logit reads SUM
     torch.library.opcheck(
-        ops.ce_rows.default, (h, w, b, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, ROWS, None, False)
+        ops.ce_rows.default, (h, w, b, t, cw, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, rows, None, False)
     )
     torch.library.opcheck(
         ops.logprob_rows.default,
@@ -171,7 +174,7 @@ def test_opcheck(with_bias):
     hd, wd = h.detach(), w.detach()
     bd = None if b is None else b.detach()
     _, lse, residual, _ = ops.ce_rows(
-        hd, wd, bd, t, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, "", None, False
+        hd, wd, bd, t, cw, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, "", None, False
     )
     g = torch.rand(5)
     torch.library.opcheck(
@@ -181,6 +184,7 @@ def test_opcheck(with_bias):
             wd,
             bd,
             t,
+            cw,
             lse,
             residual,
             g,
@@ -232,5 +236,19 @@ def test_op_rejects_out_of_range_targets():
     h, w, b, t = _op_args()
     with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
         torch.ops.cce_dist.ce_rows(
-            h, w, b, torch.tensor([0, 1, 2, 3, 11]), torch.float32, -100, 0.0, 0.0, None, "torch", 16, "", None, False
+            h,
+            w,
+            b,
+            torch.tensor([0, 1, 2, 3, 11]),
+            None,
+            torch.float32,
+            -100,
+            0.0,
+            0.0,
+            None,
+            "torch",
+            16,
+            "",
+            None,
+            False,
         )

@@ -51,7 +51,7 @@ def _insert_after(params, after, extra):
 
 # Keywords of the public functions that are not options: tensors passed by keyword.
 NOT_OPTIONS = {
-    "linear_cross_entropy": {"bias"},
+    "linear_cross_entropy": {"bias", "class_weight"},
     "linear_logprobs": {"bias"},
     "linear_distillation": {"student_bias", "teacher_bias"},
 }
@@ -326,14 +326,18 @@ def _schema(op: str):
 
 
 @pytest.mark.parametrize(
-    "forward, saved",
-    [("ce_rows", ["lse", "lse_residual", "g_loss", "g_lse"]), ("logprob_rows", ["stats", "g_lp", "g_ent"])],
+    "forward, tensors, saved",
+    [
+        ("ce_rows", 5, ["lse", "lse_residual", "g_loss", "g_lse"]),  # hidden, weight, bias, targets, class_weight
+        ("logprob_rows", 4, ["stats", "g_lp", "g_ent"]),
+    ],
 )
-def test_compile_backward_op_takes_forward_ops_arguments(forward, saved):
-    """A backward op: the forward op's 4 tensors, the saved outputs and upstream gradients, the forward op's options
+def test_compile_backward_op_takes_forward_ops_arguments(forward, tensors, saved):
+    """A backward op: the forward op's tensors, the saved outputs and upstream gradients, the forward op's options
     (ctx.args, passed positionally: same names, same order, same types) and the need_* flags."""
     fwd = _schema(forward)
     bwd = _schema(forward + "_backward")
-    assert [n for n, _ in bwd] == [n for n, _ in fwd[:4]] + saved + [n for n, _ in fwd[4:]] + NEEDS
-    assert bwd[:4] == fwd[:4]
-    assert bwd[4 + len(saved) : -len(NEEDS)] == fwd[4:]
+    assert all("Tensor" in t for _, t in fwd[:tensors]) and "Tensor" not in fwd[tensors][1]
+    assert [n for n, _ in bwd] == [n for n, _ in fwd[:tensors]] + saved + [n for n, _ in fwd[tensors:]] + NEEDS
+    assert bwd[:tensors] == fwd[:tensors]
+    assert bwd[tensors + len(saved) : -len(NEEDS)] == fwd[tensors:]

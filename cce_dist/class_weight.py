@@ -1,0 +1,185 @@
+"""Per-class weights of the cross-entropy: torch's ``F.cross_entropy(weight=w)``, from the row statistics.
+
+With ``w [V]`` (the full vocabulary's weights), ``t`` the target, ``eps`` the label smoothing and ``W = sum_j w_j``::
+
+    loss_i = (1 - eps) * w_t * (lse_i - z_it) + (eps / V) * (W * lse_i - sum_j w_j z_ij)
+    mean   = sum_i loss_i / sum_{valid i} w_t              (torch's normalizer; 0 here when it is 0)
+
+Two pieces, neither of them in a kernel:
+
+- the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.formulas`); every
+  rank holds ``w`` whole, so it is read without a collective;
+- the smoothing term's weighted logit sum ``sum_j w_j z_ij`` travels in the statistics' SUM column, which the
+  exchange already sums over the ranks, and its gradient, ``-(eps / V) g_i w_j`` on every logit, is added beside the
+  implementation's (:func:`add_smoothing_grads`), which is given that row's uniform coefficient as 0. Without a
+  softcap both are linear in the hidden state: ``h_i . u + w . b`` with ``u = W_head^T w`` over this rank's
+  vocabulary slice, two matrix-vector products (O(V D) once, against the loss's O(N V D)). A softcap makes the
+  logits non-linear in ``h``: both are then formed from the softcapped logits, recomputed in token chunks of at most
+  ``SOFTCAP_CHUNK_ELEMENTS`` logits (the price of that combination: one more logit pass in forward, one in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import stats as S
+from .backend import GAMMA
+from .formulas import effective_smoothing
+from .runtime import matmul_f32
+
+#: float32 copies of a chunk of rows made by the matrix-vector products: capped at ~8 MB
+_CHUNK_BYTES = 8 << 20
+#: float32 logits held at once where a softcap makes the smoothing term non-linear (64 MB)
+SOFTCAP_CHUNK_ELEMENTS = 1 << 24
+
+
+def _rows_per_chunk(cols: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * max(cols, 1)))
+
+
+@dataclass(frozen=True)
+class ClassWeights:
+    """One call's class-weight terms, formed once by :meth:`of` (no gradient flows to them)."""
+
+    rows: Tensor  # float32 [N]: the target's weight, 0 on ignored rows
+    local: Tensor  # float32 [V_local]: this rank's slice
+    mean: Tensor  # float32 []: W / V
+    smoothing: bool  # label smoothing is on: the weighted logit sum and its gradient are needed
+
+    @property
+    def terms(self) -> tuple[Tensor, Tensor]:
+        """``(w_t, W / V)`` as :func:`cce_dist.formulas.cross_entropy_rows` takes them."""
+        return self.rows, self.mean
+
+    @classmethod
+    def of(
+        cls,
+        class_weight: Tensor,
+        targets: Tensor,
+        valid: Tensor,
+        *,
+        vocab_start: int,
+        v_local: int,
+        label_smoothing: float,
+    ) -> ClassWeights:
+        """The terms for ``class_weight [V]`` (every rank's whole vector), ``targets int64 [N]`` and ``valid bool
+        [N]``, on the rank holding vocabulary rows ``[vocab_start, vocab_start + v_local)``."""
+        cw = class_weight.detach()
+        return cls(
+            rows=row_weights(cw, targets, valid),
+            local=local_slice(cw, vocab_start, v_local),
+            mean=weight_mean(cw),
+            smoothing=effective_smoothing(label_smoothing, cw.shape[0]) != 0,
+        )
+
+
+def row_weights(class_weight: Tensor, targets: Tensor, valid: Tensor) -> Tensor:
+    """``float32 [N]``: ``class_weight[target]`` on the valid rows, 0 on ignored ones (whose ids are not read)."""
+    ids = torch.where(valid, targets, torch.zeros_like(targets))
+    w = class_weight.to(torch.float32)[ids]
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def local_slice(class_weight: Tensor, vocab_start: int, v_local: int) -> Tensor:
+    """``float32 [V_local]``: the weights of this rank's vocabulary rows."""
+    return class_weight[vocab_start : vocab_start + v_local].to(torch.float32)
+
+
+def weight_mean(class_weight: Tensor) -> Tensor:
+    """``float32 []``: ``W / V``, the factor of ``lse`` in the smoothing term (1 for all-ones weights)."""
+    return class_weight.to(torch.float32).mean()
+
+
+def _head_direction(weight: Tensor, w_local: Tensor) -> Tensor:
+    """``float32 [D]``: ``sum_j w_j W_head[j]`` over the local rows, in float32 (chunks of the head upcast)."""
+    u = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    step = _rows_per_chunk(weight.shape[1])
+    for j in range(0, weight.shape[0], step):
+        wj = w_local[j : j + step]
+        # a zero weight keeps its row out even where the head holds inf (0 * inf would be NaN)
+        rows = torch.where((wj != 0)[:, None], weight[j : j + step].float(), 0.0)
+        u.add_(wj @ rows)
+    return u
+
+
+def _softcapped_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float):
+    """``(rows, c, slope)`` per token chunk: the softcapped logits ``c = softcap * tanh(raw / softcap)`` (``raw``
+    rounded to the compute dtype, as every implementation rounds it) and ``1 - (c / softcap)^2``, float32."""
+    step = max(1, SOFTCAP_CHUNK_ELEMENTS // max(weight.shape[0], 1))
+    for i in range(0, hidden.shape[0], step):
+        raw = matmul_f32(hidden[i : i + step], weight.T)
+        if bias is not None:
+            raw += bias.float()
+        t = torch.tanh(raw.to(hidden.dtype).float() / softcap)
+        yield slice(i, i + step), t * softcap, 1.0 - t * t
+
+
+def weighted_logit_sum(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, w_local: Tensor, softcap: float | None = None
+) -> Tensor:
+    """``float32 [N]``: ``sum_j w_j z_ij`` over this rank's rows, scaled by ``stats.SUM_SCALE`` as the SUM column
+    holds it. ``hidden [N, D]``, ``weight [V_local, D]``, ``bias [V_local]`` in the compute dtype."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    if softcap:
+        for rows, c, _ in _softcapped_logits(hidden, weight, bias, softcap):
+            out[rows] = torch.where(w_local != 0, c * w_local, 0.0).sum(1)
+        return out * S.SUM_SCALE
+    u = _head_direction(weight, w_local)
+    step = _rows_per_chunk(hidden.shape[1])
+    for i in range(0, hidden.shape[0], step):
+        out[i : i + step] = hidden[i : i + step].float() @ u
+    if bias is not None:
+        out += torch.where(w_local != 0, w_local * bias.float(), 0.0).sum()
+    return out * S.SUM_SCALE
+
+
+def split_uniform(coef: Tensor) -> tuple[Tensor, Tensor]:
+    """``(coef with GAMMA = 0, gamma float32 [N])``: the uniform smoothing coefficient taken out of the coefficients an
+    implementation sees, for :func:`add_smoothing_grads` to apply weighted."""
+    gamma = coef[:, GAMMA].clone()
+    out = coef.clone()
+    out[:, GAMMA] = 0.0
+    return out, gamma
+
+
+def add_smoothing_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    w_local: Tensor,
+    gamma: Tensor,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+    softcap: float | None = None,
+) -> None:
+    """Add, in place, the gradients of ``dz_ij = gamma_i * w_j`` (every local vocab row ``j``; times the softcap's
+    slope with one) to the float32 ``grads = (dh [N, D], dw [V_local, D], db [V_local])`` (``dh``: this shard's
+    partial sum; None where not needed). Rows with ``gamma == 0`` (no smoothing, ignored rows) add exactly 0, also
+    where their hidden state is not finite."""
+    dh, dw, db = grads
+    active = gamma != 0
+    if softcap:
+        for rows, _, slope in _softcapped_logits(hidden, weight, bias, softcap):
+            dz = torch.where(active[rows, None], gamma[rows, None] * w_local * slope, 0.0)
+            if dh is not None:
+                dh[rows] += matmul_f32(dz, weight)
+            if dw is not None:
+                h = torch.where(active[rows, None], hidden[rows].float(), 0.0)
+                dw.addmm_(dz.T, h)
+            if db is not None:
+                db.add_(dz.sum(0))
+        return
+    if dh is not None:
+        u = _head_direction(weight, w_local)
+        dh.addr_(gamma, torch.where(active.any(), u, torch.zeros_like(u)))
+    if dw is not None:
+        s = torch.zeros(hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        step = _rows_per_chunk(hidden.shape[1])
+        for i in range(0, hidden.shape[0], step):
+            hc = torch.where(active[i : i + step, None], hidden[i : i + step].float(), 0.0)
+            s.add_(gamma[i : i + step] @ hc)
+        dw.addr_(w_local, s)
+    if db is not None:
+        db.add_(w_local * gamma.sum())
