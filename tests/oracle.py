@@ -139,12 +139,17 @@ def oracle_cross_entropy(
     dtype: torch.dtype | None = torch.float32,
     return_lse: bool = False,
     contract: torch.dtype | None = None,
+    class_weight: Tensor | None = None,
 ):
     """Reference of ``cce_dist.linear_cross_entropy`` (same keywords; see the module docstring).
 
     ``loss_i = F.cross_entropy(z_i, t_i, label_smoothing=eps) + z_loss * logsumexp(z_i)**2``
     for valid tokens, 0 for ignored ones; then reduced. With ``return_lse`` also returns the
     float32 per-token ``logsumexp(z_i)`` (targets' shape, computed for every token).
+
+    ``class_weight [V]``: ``F.cross_entropy(..., weight=class_weight)``'s rows; ``mean`` divides their sum by the
+    counted targets' weights (0 when that is 0) and the z-loss's by the counted tokens (Liger's reference,
+    ``CrossEntropyWithZLoss`` in its tests).
     """
     t = shift_targets(targets, shift, ignore_index).long()
     z = oracle_logits(hidden, weight, bias, softcap=softcap, dtype=dtype, contract=contract)  # [..., V] float32
@@ -152,11 +157,19 @@ def oracle_cross_entropy(
     z2 = z.reshape(-1, v)
     t1 = t.reshape(-1)
     valid = t1 != ignore_index
-    rows = F.cross_entropy(z2, t1, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    cw = None if class_weight is None else class_weight.to(z2.dtype)
+    rows = F.cross_entropy(
+        z2, t1, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
     lse = torch.logsumexp(z2, dim=-1)
-    if z_loss:
-        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
-    out = _reduce(rows.reshape(t.shape), valid, reduction)
+    z_rows = torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse)) if z_loss else torch.zeros_like(lse)
+    if cw is not None and reduction == "mean":
+        w_t = torch.where(valid, cw[torch.where(valid, t1, 0)], torch.zeros_like(lse))
+        total = w_t.sum()
+        ce = torch.where(total != 0, rows.sum() / torch.where(total != 0, total, 1.0), 0.0)
+        out = ce + _reduce(z_rows, valid, "mean")
+    else:
+        out = _reduce((rows + z_rows).reshape(t.shape), valid, reduction)
     if return_lse:
         return out, lse.reshape(t.shape)
     return out

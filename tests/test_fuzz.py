@@ -143,6 +143,20 @@ def fwd_tol(dtype, zmax, *, z_loss=0.0, v=1, n_sum=1):
 # ----------------------------------------------------------------------------------------------
 
 
+def _class_weight(mode: str | None, v: int, m: dict) -> torch.Tensor | None:
+    """class_weight= of a fuzz case: None, random in [0.25, 2.25), the same with a third of the classes at 0 (some
+    targets may weigh nothing, or all of them), or all ones (the unweighted loss)."""
+    if mode is None:
+        return None
+    if mode == "ones":
+        return torch.ones(v)
+    g = torch.Generator().manual_seed(m["seed"] + 7)
+    w = torch.rand(v, generator=g) * 2 + 0.25
+    if mode == "some zero":
+        w = torch.where(torch.rand(v, generator=g) < 1 / 3, 0.0, w)
+    return w
+
+
 def check_cross_entropy(data, impl: str, small: bool):
     h, w, b, t, m = data.draw(problems(small=small, low_precision=True), label="problem")
     n, v = m["n"], m["v"]
@@ -155,6 +169,9 @@ def check_cross_entropy(data, impl: str, small: bool):
     gif = data.draw(st.sampled_from([None, False, True]), label="grad_in_forward")
     ret_lse = data.draw(st.booleans(), label="return_lse")
     module = data.draw(st.booleans(), label="module form")
+    cw = _class_weight(
+        data.draw(st.sampled_from([None, None, "rand", "some zero", "ones"]), label="class_weight"), v, m
+    )
     extra = {}
     if impl == "triton":
         extra["filter_eps"] = data.draw(st.sampled_from([None, None, "auto"]), label="filter_eps")
@@ -176,9 +193,9 @@ def check_cross_entropy(data, impl: str, small: bool):
     h2, w2, b2 = leaves(h, w, b, need=m["need"])
     before = [x.clone() for x in (h, w, t)] + ([b.clone()] if b is not None else [])
     if module:
-        out = LinearCrossEntropy(**kw)(h1, w1, t, b1)
+        out = LinearCrossEntropy(**kw)(h1, w1, t, b1, class_weight=cw)
     else:
-        out = linear_cross_entropy(h1, w1, t, bias=b1, **kw)
+        out = linear_cross_entropy(h1, w1, t, bias=b1, class_weight=cw, **kw)
     cd = _compute_dtype(h, w)
 
     def oracle(h_, w_, b_, dtype, contract=None):
@@ -196,6 +213,7 @@ def check_cross_entropy(data, impl: str, small: bool):
             dtype=dtype,
             return_lse=True,
             contract=contract,
+            class_weight=cw,
         )
 
     ref = oracle(h2, w2, b2, cd)
@@ -211,6 +229,8 @@ def check_cross_entropy(data, impl: str, small: bool):
     if softcap is not None:
         zmax = min(zmax, softcap)
     atol, rtol = fwd_tol(cd, zmax, z_loss=zl, v=v, n_sum=max(n, 1) if reduction == "sum" else 1)
+    if cw is not None:  # the rows scale by weights up to 2.25 (and the mean divides by at least 0.25)
+        atol *= 9.0
     r = close_report(loss, rloss, atol, rtol)
     if r:
         fails.append(f"loss: {r}")
@@ -255,7 +275,8 @@ def check_cross_entropy(data, impl: str, small: bool):
     if not all(torch.equal(a, c) for a, c in zip(before, after)):
         fails.append("an input was modified in place")
     assert not fails, (
-        f"{impl} cross-entropy {kw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: " + "; ".join(fails)
+        f"{impl} cross-entropy {kw} class_weight={cw} n={n} v={v} d={m['d']} dtypes={m['hdtype']}/{m['wdtype']}: "
+        + "; ".join(fails)
     )
     CHECKED[f"{impl} cross-entropy"] += 1
 
@@ -546,6 +567,7 @@ def sharded_case(seed: int, world: int, impl: str) -> dict:
     # drawn last, so the other fields of a seed's case are those of earlier runs: a common logit offset
     # through the bias (the global statistics must normalize it away as on one device)
     c["offset"] = rng.choice([0.0, 0.0, 0.0, 40.0]) if c["bias"] else 0.0
+    c["class_weight"] = rng.choice([None, None, "rand", "some zero"]) if c["form"] == "ce" else None  # drawn last too
     return c
 
 
@@ -604,11 +626,13 @@ def run_sharded_case(rank, world, group, c) -> list[str]:
         zmax = min(zmax, c["softcap"])
     n_tok = T.numel()
     if c["form"] == "ce":
+        cw = _class_weight(c["class_weight"], v, c)
         out = linear_cross_entropy(
             h1,
             w1,
             T,
             bias=b1,
+            class_weight=cw,
             shard=shard,
             reduction=c["reduction"],
             label_smoothing=c["label_smoothing"],
@@ -630,14 +654,15 @@ def run_sharded_case(rank, world, group, c) -> list[str]:
             shift=c["shift"],
             dtype=cd,
             return_lse=True,
+            class_weight=cw,
         )
         outs = list(out) if c["return_extra"] else [out]
         refs = list(ref) if c["return_extra"] else [ref[0]]
         ups = [g1 if c["reduction"] == "none" else torch.tensor(gs)] + ([g2] if c["return_extra"] else [])
-        tols = [
-            fwd_tol(cd, zmax, z_loss=c["z_loss"], v=v, n_sum=max(n_tok, 1) if c["reduction"] == "sum" else 1),
-            fwd_tol(cd, zmax, v=v),
-        ]
+        loss_tol = fwd_tol(cd, zmax, z_loss=c["z_loss"], v=v, n_sum=max(n_tok, 1) if c["reduction"] == "sum" else 1)
+        if cw is not None:  # weights up to 2.25, a mean divided by at least 0.25
+            loss_tol = (loss_tol[0] * 9.0, loss_tol[1])
+        tols = [loss_tol, fwd_tol(cd, zmax, v=v)]
         zl = c["z_loss"]
     else:
         out = linear_logprobs(
