@@ -129,8 +129,32 @@ def _colwise_parallel_output_layer(rank, world, group, vocab, d, n):
     return None
 
 
+def _sharded_head_with_class_weights(rank, world, group, vocab, d, n):
+    """Shard(0) weight and bias with a plain [V] class_weight (the whole vector on every rank): loss and every
+    gradient vs the oracle's F.cross_entropy(weight=), with label smoothing and a softcap; a DTensor class_weight
+    is refused with the remedy."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
+    cw = torch.linspace(0.25, 2.0, vocab)
+    w_ref, b_ref, h_ref = leaf(W), leaf(B), leaf(H)
+    ref = oracle_cross_entropy(h_ref, w_ref, T, b_ref, label_smoothing=0.1, softcap=2.5, class_weight=cw)
+    ref.backward()
+    wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
+    bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
+    h = leaf(H)
+    kw = dict(bias=bd, label_smoothing=0.1, softcap=2.5, impl="torch")
+    loss = cce_dist.linear_cross_entropy(h, wd, T, class_weight=cw, **kw)
+    loss.backward()
+    _close(loss, ref, "loss")
+    _close(wd.grad.full_tensor(), w_ref.grad, "dW")
+    _close(bd.grad.full_tensor(), b_ref.grad, "db")
+    _close(h.grad, h_ref.grad, "dH")
+    with pytest.raises(TypeError, match=r"class_weight .* got a DTensor: pass class_weight.full_tensor\(\)"):
+        cce_dist.linear_cross_entropy(h, wd, T, class_weight=distribute_tensor(cw, mesh, [Shard(0)]), **kw)
+
+
 SECTIONS = [
     _sharded_weight_and_bias,
+    _sharded_head_with_class_weights,
     _logprobs_replicate_and_token_sharded_hidden,
     _replicate_weight,
     _clear_errors,
