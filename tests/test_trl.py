@@ -84,13 +84,47 @@ def test_patch_and_unpatch_restore_trls_kernel():
     import trl.trainer.utils as utils
 
     original = utils._ChunkedLogProbFunction
+    import trl.trainer.distillation_trainer as distillation
+
+    original_divergence = distillation.ChunkedDivergenceFunction
     ct.patch()
     assert utils._ChunkedLogProbFunction is ct.CceLogProbs and ct.is_patched()
+    assert distillation.ChunkedDivergenceFunction is ct.CceDivergence
     ct.patch(tensor_parallel=True)  # again: replaces the setting
     ct.unpatch()
     assert utils._ChunkedLogProbFunction is original and not ct.is_patched()
+    assert distillation.ChunkedDivergenceFunction is original_divergence
     with pytest.raises(ValueError, match="not patched"):
         ct.unpatch()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize(
+    "scales, caps", [((1.0, 1.0), (None, None)), ((0.8, 1.3), (5.0, 4.0)), ((1.0, 0.5), (None, 6.0))]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_divergence_and_entropy_equal_trls(beta, scales, caps, bias):
+    """The DistillationTrainer's head: cce_dist's per-token divergence, student entropy and student gradients against
+    TRL's ChunkedDivergenceFunction, student and teacher of different widths, with each head's logit scale and softcap
+    (folded into one temperature and the teacher's hidden states)."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    g = torch.Generator().manual_seed(4)
+    n, ds, dt, v = 13, 8, 12, 50
+    hs, ws, ht, wt = (torch.randn(*s, generator=g) for s in ((n, ds), (v, ds), (n, dt), (v, dt)))
+    bs, bt = (torch.randn(v, generator=g) if bias else None for _ in range(2))
+    args = (beta, 0.7, scales[0], caps[0], scales[1], caps[1])
+    results = []
+    for fn in (ChunkedDivergenceFunction, ct.CceDivergence):
+        leaves = [hs.clone().requires_grad_(), ws.clone().requires_grad_()] + (
+            [bs.clone().requires_grad_()] if bias else []
+        )
+        d, e = fn.apply(leaves[0], leaves[1], leaves[2] if bias else None, ht, wt, bt, *args)
+        assert not e.requires_grad
+        results.append((d, e, torch.autograd.grad(d.sum(), leaves)))
+    (d, e, grads), (d_want, e_want, grads_want) = results[1], results[0]
+    for a, b in zip((d, e) + grads, (d_want, e_want) + grads_want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
 
 
 def test_a_non_positive_logit_scale_is_refused():
@@ -149,7 +183,7 @@ def _trainer(kind, out_dir, bf16=False):
         save_strategy="no",
         seed=0,
     )
-    data = _datasets()[kind]
+    data = _datasets().get(kind)
     if kind == "sft":
         args = trl.SFTConfig(per_device_train_batch_size=4, **common)
         return trl.SFTTrainer(model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer())
@@ -162,6 +196,21 @@ def _trainer(kind, out_dir, bf16=False):
         args = trl.KTOConfig(per_device_train_batch_size=4, **common)
         return trl.KTOTrainer(
             model=tiny_model(), ref_model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer()
+        )
+    if kind.startswith("distill"):  # "distill-<beta>": on-policy distillation from a second tiny model
+        args = trl.DistillationConfig(
+            per_device_train_batch_size=4,
+            max_completion_length=4,
+            temperature=0.9,
+            beta=float(kind.split("-")[1]),
+            **common,
+        )
+        return trl.DistillationTrainer(
+            model=tiny_model(),
+            teacher_model=tiny_model(seed=1),
+            args=args,
+            train_dataset=_datasets()["grpo"],
+            processing_class=tokenizer(),
         )
     args = trl.GRPOConfig(
         per_device_train_batch_size=4,
@@ -201,6 +250,9 @@ def _train(kind, out_dir, patch_when, bf16=False):
         ("dpo", "before", False),
         ("kto", "after", False),
         ("grpo", "before", False),
+        ("distill-0.0", "before", False),
+        ("distill-0.5", "after", False),
+        ("distill-1.0", "before", False),
         ("sft", "before", True),
     ],
 )
