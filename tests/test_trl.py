@@ -22,7 +22,7 @@ import torch
 trl = pytest.importorskip("trl", minversion="1.16")
 transformers = pytest.importorskip("transformers")
 
-from trl_models import tiny_model, tokenizer  # noqa: E402
+from trl_models import tiny_model, train  # noqa: E402
 
 import cce_dist.trl as ct  # noqa: E402
 
@@ -137,111 +137,6 @@ def test_a_non_positive_logit_scale_is_refused():
 # ----------------------------------------------------------------------------------------------
 
 
-def _words(g, n):
-    return " ".join(f"w{int(i)}" for i in torch.randint(0, 95, (n,), generator=g))
-
-
-def _datasets():
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(3)
-    lm = Dataset.from_dict(
-        {"input_ids": [torch.randint(0, 95, (int(n),), generator=g).tolist() for n in torch.randint(5, 12, (8,))]}
-    )
-    pref = Dataset.from_dict(
-        {
-            "prompt": [_words(g, 4) for _ in range(8)],
-            "chosen": [_words(g, 3) for _ in range(8)],
-            "rejected": [_words(g, 3) for _ in range(8)],
-        }
-    )
-    kto = Dataset.from_dict(
-        {
-            "prompt": [_words(g, 4) for _ in range(8)],
-            "completion": [_words(g, 3) for _ in range(8)],
-            "label": [bool(i % 2) for i in range(8)],
-        }
-    )
-    prompts = Dataset.from_dict({"prompt": [_words(g, 4) for _ in range(8)]})
-    return {"sft": lm, "dpo": pref, "kto": kto, "grpo": prompts}
-
-
-def _reward(completions, **kwargs):
-    return [float(len(c)) for c in completions]
-
-
-def _trainer(kind, out_dir, bf16=False):
-    common = dict(
-        bf16=bf16,  # TRL's configs default to bf16 autocast on CPU
-        output_dir=str(out_dir),
-        max_steps=2,
-        logging_steps=1,
-        report_to=[],
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-    )
-    data = _datasets().get(kind)
-    if kind == "sft":
-        args = trl.SFTConfig(per_device_train_batch_size=4, **common)
-        return trl.SFTTrainer(model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer())
-    if kind == "dpo":
-        args = trl.DPOConfig(per_device_train_batch_size=4, **common)
-        return trl.DPOTrainer(
-            model=tiny_model(), ref_model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer()
-        )
-    if kind == "kto":
-        args = trl.KTOConfig(per_device_train_batch_size=4, **common)
-        return trl.KTOTrainer(
-            model=tiny_model(), ref_model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer()
-        )
-    if kind.startswith("distill"):  # "distill-<beta>": on-policy distillation from a second tiny model
-        args = trl.DistillationConfig(
-            per_device_train_batch_size=4,
-            max_completion_length=4,
-            temperature=0.9,
-            beta=float(kind.split("-")[1]),
-            **common,
-        )
-        return trl.DistillationTrainer(
-            model=tiny_model(),
-            teacher_model=tiny_model(seed=1),
-            args=args,
-            train_dataset=_datasets()["grpo"],
-            processing_class=tokenizer(),
-        )
-    args = trl.GRPOConfig(
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        temperature=1.0,
-        **common,
-    )
-    return trl.GRPOTrainer(
-        model=tiny_model(), reward_funcs=_reward, args=args, train_dataset=data, processing_class=tokenizer()
-    )
-
-
-def _train(kind, out_dir, patch_when, bf16=False):
-    torch.manual_seed(0)
-    if patch_when == "before":
-        ct.patch()
-    trainer = _trainer(kind, out_dir, bf16)
-    if patch_when == "after":
-        ct.patch()
-    trainer.train()
-    if ct.is_patched():
-        ct.unpatch()
-    timings = ("runtime", "time", "per_second", "total_flos")
-    logs = [
-        {k: v for k, v in h.items() if isinstance(v, float) and not any(t in k for t in timings)}
-        for h in trainer.state.log_history
-    ]
-    return logs, [p.detach().clone() for p in trainer.model.parameters()]
-
-
 @pytest.mark.parametrize(
     "kind,patch_when,bf16",
     [
@@ -260,8 +155,8 @@ def test_trainer_logs_and_parameters_equal_trls_head(kind, patch_when, bf16, tmp
     """float32: the same numbers to float32 rounding. bf16 autocast (TRL's default on CPU): both round the logits and
     the logit gradients to bf16, in different orders, so the metrics agree to bf16's resolution (2**-8)."""
     rel, params_tol = (2e-3, 2e-3) if bf16 else (1e-4, 1e-5)
-    want_logs, want_params = _train(kind, tmp_path / "trl", None, bf16)
-    got_logs, got_params = _train(kind, tmp_path / "cce", patch_when, bf16)
+    want_logs, want_params = train(kind, tmp_path / "trl", None, bf16)
+    got_logs, got_params = train(kind, tmp_path / "cce", patch_when, bf16)
     assert len(got_logs) == len(want_logs)
     for got, want in zip(got_logs, want_logs):
         assert got.keys() == want.keys()
@@ -269,5 +164,6 @@ def test_trainer_logs_and_parameters_equal_trls_head(kind, patch_when, bf16, tmp
             assert math.isclose(got[key], want[key], rel_tol=rel, abs_tol=rel * 0.1), (key, got[key], want[key])
     if kind == "sft":  # the metrics the fused head feeds
         assert any("mean_token_accuracy" in h and "entropy" in h for h in got_logs)
-    for p, q in zip(got_params, want_params):
-        torch.testing.assert_close(p, q, rtol=params_tol, atol=params_tol)
+    assert got_params.keys() == want_params.keys()
+    for name, q in want_params.items():
+        torch.testing.assert_close(got_params[name], q, rtol=params_tol, atol=params_tol, msg=name)

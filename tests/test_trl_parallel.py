@@ -74,3 +74,61 @@ def test_vocab_sharded_head_on_two_ranks_equals_one_process(tmp_path):
     results = run_ranks(_body, 2, tmp_path, timeout=300)
     failures = [f for r in sorted(results) for f in results[r]]
     assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainers, their head vocab-sharded on 2 ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def _trainer_body(rank, world, group, kinds, out_dir):
+    """Each rank trains the same model on the same batches (a tensor-parallel group: no data parallelism, the
+    Trainer is not told of the group) with its ``lm_head`` column-parallel (``parallelize_module``: the weight a
+    ``Shard(0)`` DTensor parameter), which TRL's fused head hands to cce_dist, scored vocab-parallel. The logs must
+    be one process's with TRL's own head, the parameters too (the head as this rank's rows)."""
+    import math
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from trl_models import train
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+
+    def shard_head(trainer):
+        # as a tensor-parallel plan shards an output layer: the weight a Shard(0) DTensor, and the layer's own forward
+        # (generation's logits) gathered
+        parallelize_module(trainer.model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+    failures = []
+    for kind in kinds:
+        want_logs, want_params = train(kind, f"{out_dir}/{kind}-trl-{rank}", None)
+        got_logs, got_params = train(
+            kind, f"{out_dir}/{kind}-cce-{rank}", "before", prepare=shard_head, tensor_parallel=True
+        )
+        if len(got_logs) != len(want_logs):
+            failures.append(f"rank {rank} {kind}: {len(got_logs)} log entries, want {len(want_logs)}")
+        for got, want in zip(got_logs, want_logs):
+            for key in want:
+                if key.endswith("accuracies") and abs(want.get(key.replace("accuracies", "margins"), 1.0)) < 1e-5:
+                    # at the first step the policy is the reference: every reward is 0 up to rounding, and the
+                    # sharded policy's rounding (not the unsharded reference's) decides "chosen > rejected"
+                    continue
+                if key not in got or not math.isclose(got[key], want[key], rel_tol=1e-4, abs_tol=1e-5):
+                    failures.append(f"rank {rank} {kind}: {key} {got.get(key)} != {want[key]}")
+        for name, q in want_params.items():
+            p = got_params[name]
+            if name == "lm_head.weight":
+                rows = p.to_local().shape[0]
+                start = 0 if rank == 0 else q.shape[0] - rows
+                p, q = p.to_local(), q[start : start + rows]
+            if not torch.allclose(p, q, rtol=1e-5, atol=1e-5):
+                failures.append(f"rank {rank} {kind}: parameter {name}")
+    return failures
+
+
+@pytest.mark.parametrize("kinds", [("sft", "dpo"), ("kto", "grpo")])
+def test_trainers_with_a_vocab_sharded_head_equal_one_process(tmp_path, kinds):
+    results = run_ranks(_trainer_body, 2, tmp_path, kw=dict(kinds=kinds, out_dir=str(tmp_path)), timeout=600)
+    failures = [f for r in sorted(results) for f in results[r]]
+    assert not failures, "\n".join(failures[:20])
