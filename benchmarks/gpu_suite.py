@@ -4,7 +4,8 @@ Question: on one GPU, at LLM head shapes in bf16, is every Triton path of cce_di
 and each backward schedule against a float64 reference), and how do forward, backward,
 forward+backward time and peak memory compare between cce_dist, Apple's Cut Cross-Entropy (exact,
 ``filter_eps=None``, and its default ``filter_eps="high"``), Liger-Kernel's fused linear
-cross-entropy, ``torch.compile`` of the materialized program and the materialized program itself?
+cross-entropy, TRL 1.16's fused LM head kernel (``trl.kernels.ChunkedLogProbFunction``), ``torch.compile`` of the
+materialized program and the materialized program itself?
 
 Built to return results from its first run on a machine nobody has watched it on:
 
@@ -78,6 +79,7 @@ METHODS = [
     "apple_cce(exact)",
     "apple_cce(high)",
     "liger",
+    "trl",
     "materialized",
     "torch.compile",
     "cce_dist(filter)",
@@ -167,6 +169,7 @@ def row_env(dry: bool) -> dict:
         "cce_dist": cce,
         "cut_cross_entropy": _version("cut-cross-entropy"),
         "liger_kernel": _version("liger-kernel"),
+        "trl": _version("trl"),
         "python": platform.python_version(),
         "host": platform.node(),
         "dry_run": dry,
@@ -311,7 +314,7 @@ def env_run(ctx: Ctx, case: str) -> dict:
                 text=True,
                 timeout=15,
             ).stdout.strip()
-    for mod in ("cut_cross_entropy", "liger_kernel"):
+    for mod in ("cut_cross_entropy", "liger_kernel", "trl"):
         try:
             __import__(mod)
             row[f"import_{mod}"] = "ok"
@@ -507,6 +510,19 @@ def _method(ctx: Ctx, name: str) -> tuple[Callable, str]:
             raise Skip(f"liger-kernel not importable: {type(e).__name__}: {e}") from e
         lg = LigerFusedLinearCrossEntropyLoss()
         m = (lambda h, w, t: lg(w, h, t), "LigerFusedLinearCrossEntropyLoss()(w, h, t)")
+    elif name == "trl":
+        # TRL 1.16's fused LM head kernel (what its trainers call; Triton on CUDA, torch chunks elsewhere), with the
+        # vocab tile its fused head passes; the cross-entropy is minus the mean logprob (no target is ignored here)
+        try:
+            from trl.kernels import ChunkedLogProbFunction
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as tile
+        except Exception as e:  # noqa: BLE001
+            raise Skip(f"trl not importable: {type(e).__name__}: {e}") from e
+
+        def trl_ce(h, w, t):
+            return -ChunkedLogProbFunction.apply(h, w, None, t, 1.0, tile, None, 1.0, ("log_probs",))[0].mean()
+
+        m = (trl_ce, f"-trl.kernels.ChunkedLogProbFunction.apply(h, w, None, t, 1.0, {tile}, ...)[0].mean()")
     else:
         raise ValueError(name)
     ctx.cache.setdefault("methods", {})[name] = m
@@ -1099,7 +1115,7 @@ def render(out: Path, run: str | None = None) -> str:
         "",
         f"Run {rows[0].get('run')}, {rows[0].get('time')}; torch {e.get('torch')}, triton {e.get('triton')}, "
         f"cce_dist {e.get('cce_dist')}, cut-cross-entropy {e.get('cut_cross_entropy')}, liger-kernel "
-        f"{e.get('liger_kernel')}, python {e.get('python')}, host {e.get('host')}"
+        f"{e.get('liger_kernel')}, trl {e.get('trl')}, python {e.get('python')}, host {e.get('host')}"
         + (" — **dry run on CPU: plumbing only, no GPU numbers**" if e.get("dry_run") else "")
         + ".",
         f"Rendered from `{JSONL}` (`python benchmarks/gpu_suite.py --render --out DIR`).",
@@ -1113,7 +1129,8 @@ def render(out: Path, run: str | None = None) -> str:
         lines += [
             f"Device: {envr.get('device')} ({envr.get('sms')} SMs, {envr.get('memory_gib')} GiB, cc "
             f"{envr.get('capability')}, CUDA {envr.get('cuda')}); imports: cut_cross_entropy "
-            f"{envr.get('import_cut_cross_entropy')}, liger_kernel {envr.get('import_liger_kernel')}.",
+            f"{envr.get('import_cut_cross_entropy')}, liger_kernel {envr.get('import_liger_kernel')}, trl "
+            f"{envr.get('import_trl')}.",
             "",
         ]
     if by["correctness"]:

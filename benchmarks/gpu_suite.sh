@@ -15,7 +15,8 @@
 #   OUT_DIR defaults to $OUT if set, else benchmarks/results/gpu. CCE_COMMIT records the commit where
 #   the machine has no .git. --dry-run (or CCE_SUITE_DRY_RUN=1) runs the CPU plumbing check (tests/test_gpu_suite.py).
 # Peers: pure-Python wheels carried in .whl/ (pip download --no-deps --only-binary=:all: -d .whl
-#   cut-cross-entropy liger-kernel) are installed into /tmp/site (offline, no index).
+#   cut-cross-entropy liger-kernel trl, plus transformers accelerate datasets where the machine lacks them)
+#   are installed into /tmp/site (offline, no index).
 set -uo pipefail
 started=$(date +%s)
 cd "$(dirname "$0")/.."
