@@ -28,7 +28,7 @@ from torch import Tensor
 from . import stats as S
 from .backend import GAMMA
 from .formulas import effective_smoothing
-from .runtime import matmul_f32
+from .runtime import f32_out_gemm, matmul_f32
 
 #: float32 copies of a chunk of rows made by the matrix-vector products: capped at ~8 MB
 _CHUNK_BYTES = 8 << 20
@@ -105,12 +105,20 @@ def _head_direction(weight: Tensor, w_local: Tensor) -> Tensor:
     return u
 
 
-def _softcapped_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float):
+def _gemm_head(weight: Tensor) -> Tensor:
+    """The head as the chunks' GEMMs read it: itself where it is float32 or its dtype has a float32-output GEMM on
+    its device, else a float32 copy, made once per call (a CPU's bf16 / fp16)."""
+    native = weight.dtype == torch.float32 or (weight.is_cuda and f32_out_gemm(weight.device, weight.dtype))
+    return weight if native else weight.float()
+
+
+def _softcapped_logits(hidden: Tensor, head: Tensor, bias: Tensor | None, softcap: float):
     """``(rows, c, slope)`` per token chunk: the softcapped logits ``c = softcap * tanh(raw / softcap)`` (``raw``
-    rounded to the compute dtype, as every implementation rounds it) and ``1 - (c / softcap)^2``, float32."""
-    step = max(1, SOFTCAP_CHUNK_ELEMENTS // max(weight.shape[0], 1))
+    rounded to the compute dtype ``hidden.dtype``, as every implementation rounds it) and ``1 - (c / softcap)^2``,
+    float32. ``head``: :func:`_gemm_head` of the weight."""
+    step = max(1, SOFTCAP_CHUNK_ELEMENTS // max(head.shape[0], 1))
     for i in range(0, hidden.shape[0], step):
-        raw = matmul_f32(hidden[i : i + step], weight.T)
+        raw = matmul_f32(hidden[i : i + step].to(head.dtype), head.T)
         if bias is not None:
             raw += bias.float()
         t = torch.tanh(raw.to(hidden.dtype).float() / softcap)
@@ -124,7 +132,7 @@ def weighted_logit_sum(
     holds it. ``hidden [N, D]``, ``weight [V_local, D]``, ``bias [V_local]`` in the compute dtype."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if softcap:
-        for rows, c, _ in _softcapped_logits(hidden, weight, bias, softcap):
+        for rows, c, _ in _softcapped_logits(hidden, _gemm_head(weight), bias, softcap):
             out[rows] = torch.where(w_local != 0, c * w_local, 0.0).sum(1)
         return out * S.SUM_SCALE
     u = _head_direction(weight, w_local)
@@ -161,10 +169,11 @@ def add_smoothing_grads(
     dh, dw, db = grads
     active = gamma != 0
     if softcap:
-        for rows, _, slope in _softcapped_logits(hidden, weight, bias, softcap):
+        head = _gemm_head(weight)
+        for rows, _, slope in _softcapped_logits(hidden, head, bias, softcap):
             dz = torch.where(active[rows, None], gamma[rows, None] * w_local * slope, 0.0)
             if dh is not None:
-                dh[rows] += matmul_f32(dz, weight)
+                dh[rows] += matmul_f32(dz.to(head.dtype), head)
             if dw is not None:
                 h = torch.where(active[rows, None], hidden[rows].float(), 0.0)
                 dw.addmm_(dz.T, h)
