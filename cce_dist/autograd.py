@@ -297,8 +297,8 @@ class FusedCrossEntropy(HoldsGradients):
             scale = 1.0
             if opts.reduction == "mean":
                 # torch's normalizer: the number of counted rows, or with class weights the sum of their weights
-                total = n_valid if cw is None else float(cw.rows.sum().item())
-                scale = 1.0 / total if total != 0 else 0.0  # no row counts: the mean is 0, its gradient too
+                total = max(n_valid, 1) if cw is None else float(cw.rows.sum().item())
+                scale = 1.0 / total if total != 0 else 0.0  # the weights sum to 0: the mean is 0, its gradient too
             unit = 2.0 ** (1 - math.frexp(scale)[1])  # |scale| * unit in [1, 2); a power of two, so exact to undo
             terms = None if cw is None else cw.terms
             kw: dict[str, Any] = dict(
