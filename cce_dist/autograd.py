@@ -24,7 +24,7 @@ import torch
 from . import formulas
 from . import stats as S
 from .backend import Backend, Capabilities
-from .class_weight import ClassWeights, add_smoothing_grads, split_uniform, weighted_logit_sum
+from .class_weight import ClassWeights, weighted_logit_sum
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
 from .prepare import to_dtype
@@ -119,12 +119,9 @@ def _backward_grads(
 ):
     """``saved = (h, weight, bias, targets)``: read from ``ctx.saved_tensors`` once by the caller (non-reentrant
     checkpointing allows each saved tensor to be unpacked only once). ``cw``: class weights, whose smoothing term
-    (``GAMMA * w_j``) is applied here in closed form rather than by the implementation."""
+    the implementation weighs per vocab row (``GAMMA * w_j``)."""
     h, weight, bias, targets = saved
     need_h, need_w, need_b = needed_input_grads(ctx, bias)
-    gamma = None
-    if cw is not None and cw.smoothing:
-        coef, gamma = split_uniform(coef)
     with _no_autocast(h.device):
         w = weight.to(plan.compute_dtype)
         b = to_dtype(bias, plan.compute_dtype)
@@ -141,11 +138,9 @@ def _backward_grads(
             need_hidden=need_h,
             need_weight=need_w,
             need_bias=need_b,
+            gamma_weights=cw.local if cw is not None and cw.smoothing else None,
             **plan.backend_kwargs.get("grads", {}),
         )
-        if gamma is not None:
-            assert cw is not None
-            add_smoothing_grads(h, w, b, cw.local, gamma, (dh, dw, db), softcap)
         return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias)
 
 
@@ -308,16 +303,10 @@ class FusedCrossEntropy(HoldsGradients):
             smoothing = cw is not None and cw.smoothing
 
             def coef_fn(lse: torch.Tensor, sl: slice) -> torch.Tensor:
-                c = formulas.cross_entropy_coef(
-                    lse,
-                    valid[sl],
-                    ones.expand_as(lse),
-                    None,
-                    residual=None,
-                    class_weights=None if terms is None else (terms[0][sl], terms[1]),
-                    **kw,
+                t = None if terms is None else (terms[0][sl], terms[1])
+                return formulas.cross_entropy_coef(
+                    lse, valid[sl], ones.expand_as(lse), None, residual=None, class_weights=t, **kw
                 )
-                return split_uniform(c)[0] if smoothing else c
 
             def rows_fn(st: torch.Tensor, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
                 t = None if terms is None else (terms[0][sl], terms[1])
@@ -341,13 +330,10 @@ class FusedCrossEntropy(HoldsGradients):
                 reduce_stats=comm.reduce_stats if comm.active else None,
                 need_sum=bool(opts.label_smoothing) and not smoothing,
                 sum_column=weighted_logit_sum(h, w, b, cw.local, opts.softcap)
-                if smoothing and cw is not None
+                if cw is not None and smoothing
                 else None,
+                gamma_weights=cw.local if cw is not None and smoothing else None,
             )
-            if smoothing and cw is not None:
-                eps = formulas.effective_smoothing(opts.label_smoothing, plan.vocab_size)
-                gamma = torch.where(valid, -eps / plan.vocab_size * scale * unit, 0.0).float()
-                add_smoothing_grads(h, w, b, cw.local, gamma, (dh, dw, db), opts.softcap)
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)
             loss = loss_rows.sum() * scale

@@ -17,7 +17,7 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
         z   = c / temperature
 
 ``grads(hidden, weight, bias, targets, lse, coef, *, vocab_start, softcap, temperature,
-        need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False)
+        need_hidden, need_weight, need_bias, filter_eps=None, deterministic=False, gamma_weights=None)
         -> (d_hidden, d_weight, d_bias)``
     lse     ``float32 [N]`` the *global* log-sum-exp of each row (all shards), as float32 rounds it
     coef    ``float32 [N, NUM_COEFS]`` per-row coefficients (below); an all-zero row contributes 0
@@ -28,6 +28,7 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
 
         dz = (p - onehot) * ALPHA + p * DELTA * (z - lse) + BETA * onehot + GAMMA
 
+    (with ``gamma_weights [V_local]``, float32 class weights, the last term is ``GAMMA * gamma_weights[j]``),
     i.e. ``p * (ALPHA + DELTA * (z - lse)) + GAMMA`` off the target, and BETA is the target's
     excess over ALPHA: the target's ``(p - 1) * ALPHA`` is formed with ``p - 1`` exact near p = 1,
     so no term of the target's gradient cancels against ALPHA (each formula forms BETA directly).
@@ -128,6 +129,7 @@ class Backend(Capabilities, Protocol):
         need_bias: bool,
         filter_eps: float | None = None,
         deterministic: bool = False,
+        gamma_weights: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...
 
 

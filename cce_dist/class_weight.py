@@ -5,17 +5,17 @@ With ``w [V]`` (the full vocabulary's weights), ``t`` the target, ``eps`` the la
     loss_i = (1 - eps) * w_t * (lse_i - z_it) + (eps / V) * (W * lse_i - sum_j w_j z_ij)
     mean   = sum_i loss_i / sum_{valid i} w_t              (torch's normalizer; 0 here when it is 0)
 
-Two pieces, neither of them in a kernel:
+Two pieces:
 
 - the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.formulas`); every
   rank holds ``w`` whole, so it is read without a collective;
 - the smoothing term's weighted logit sum ``sum_j w_j z_ij`` travels in the statistics' SUM column, which the
-  exchange already sums over the ranks, and its gradient, ``-(eps / V) g_i w_j`` on every logit, is added beside the
-  implementation's (:func:`add_smoothing_grads`), which is given that row's uniform coefficient as 0. Without a
-  softcap both are linear in the hidden state: ``h_i . u + w . b`` with ``u = W_head^T w`` over this rank's
-  vocabulary slice, two matrix-vector products (O(V D) once, against the loss's O(N V D)). A softcap makes the
-  logits non-linear in ``h``: both are then formed from the softcapped logits, recomputed in token chunks of at most
-  ``SOFTCAP_CHUNK_ELEMENTS`` logits (the price of that combination: one more logit pass in forward, one in backward).
+  exchange already sums over the ranks (:func:`weighted_logit_sum`: without a softcap it is linear in the hidden
+  state, ``h_i . u + w . b`` with ``u = W_head^T w`` over this rank's vocabulary slice, two matrix-vector products;
+  with one, the softcapped logits are recomputed in token chunks of at most ``SOFTCAP_CHUNK_ELEMENTS``, one more
+  logit pass in forward). Its gradient, ``-(eps / V) g_i w_j`` on every logit, is the implementations' own uniform
+  term weighed per vocab row (``gamma_weights`` of the backend's ``grads``), formed inside each logit tile beside the
+  ``p`` terms it nearly cancels, as the materialized program forms it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from . import stats as S
-from .backend import GAMMA
 from .formulas import effective_smoothing
 from .runtime import f32_out_gemm, matmul_f32
 
@@ -113,16 +112,15 @@ def _gemm_head(weight: Tensor) -> Tensor:
 
 
 def _softcapped_logits(hidden: Tensor, head: Tensor, bias: Tensor | None, softcap: float):
-    """``(rows, c, slope)`` per token chunk: the softcapped logits ``c = softcap * tanh(raw / softcap)`` (``raw``
-    rounded to the compute dtype ``hidden.dtype``, as every implementation rounds it) and ``1 - (c / softcap)^2``,
-    float32. ``head``: :func:`_gemm_head` of the weight."""
+    """``(rows, c)`` per token chunk: the softcapped logits ``c = softcap * tanh(raw / softcap)``, float32 (``raw``
+    rounded to the compute dtype ``hidden.dtype``, as every implementation rounds it). ``head``: :func:`_gemm_head`
+    of the weight."""
     step = max(1, SOFTCAP_CHUNK_ELEMENTS // max(head.shape[0], 1))
     for i in range(0, hidden.shape[0], step):
         raw = matmul_f32(hidden[i : i + step].to(head.dtype), head.T)
         if bias is not None:
             raw += bias.float()
-        t = torch.tanh(raw.to(hidden.dtype).float() / softcap)
-        yield slice(i, i + step), t * softcap, 1.0 - t * t
+        yield slice(i, i + step), softcap * torch.tanh(raw.to(hidden.dtype).float() / softcap)
 
 
 def weighted_logit_sum(
@@ -132,7 +130,7 @@ def weighted_logit_sum(
     holds it. ``hidden [N, D]``, ``weight [V_local, D]``, ``bias [V_local]`` in the compute dtype."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if softcap:
-        for rows, c, _ in _softcapped_logits(hidden, _gemm_head(weight), bias, softcap):
+        for rows, c in _softcapped_logits(hidden, _gemm_head(weight), bias, softcap):
             out[rows] = torch.where(w_local != 0, c * w_local, 0.0).sum(1)
         return out * S.SUM_SCALE
     u = _head_direction(weight, w_local)
@@ -142,53 +140,3 @@ def weighted_logit_sum(
     if bias is not None:
         out += torch.where(w_local != 0, w_local * bias.float(), 0.0).sum()
     return out * S.SUM_SCALE
-
-
-def split_uniform(coef: Tensor) -> tuple[Tensor, Tensor]:
-    """``(coef with GAMMA = 0, gamma float32 [N])``: the uniform smoothing coefficient taken out of the coefficients an
-    implementation sees, for :func:`add_smoothing_grads` to apply weighted."""
-    gamma = coef[:, GAMMA].clone()
-    out = coef.clone()
-    out[:, GAMMA] = 0.0
-    return out, gamma
-
-
-def add_smoothing_grads(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    w_local: Tensor,
-    gamma: Tensor,
-    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
-    softcap: float | None = None,
-) -> None:
-    """Add, in place, the gradients of ``dz_ij = gamma_i * w_j`` (every local vocab row ``j``; times the softcap's
-    slope with one) to the float32 ``grads = (dh [N, D], dw [V_local, D], db [V_local])`` (``dh``: this shard's
-    partial sum; None where not needed). Rows with ``gamma == 0`` (no smoothing, ignored rows) add exactly 0, also
-    where their hidden state is not finite."""
-    dh, dw, db = grads
-    active = gamma != 0
-    if softcap:
-        head = _gemm_head(weight)
-        for rows, _, slope in _softcapped_logits(hidden, head, bias, softcap):
-            dz = torch.where(active[rows, None], gamma[rows, None] * w_local * slope, 0.0)
-            if dh is not None:
-                dh[rows] += matmul_f32(dz.to(head.dtype), head)
-            if dw is not None:
-                h = torch.where(active[rows, None], hidden[rows].float(), 0.0)
-                dw.addmm_(dz.T, h)
-            if db is not None:
-                db.add_(dz.sum(0))
-        return
-    if dh is not None:
-        u = _head_direction(weight, w_local)
-        dh.addr_(gamma, torch.where(active.any(), u, torch.zeros_like(u)))
-    if dw is not None:
-        s = torch.zeros(hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        step = _rows_per_chunk(hidden.shape[1])
-        for i in range(0, hidden.shape[0], step):
-            hc = torch.where(active[i : i + step, None], hidden[i : i + step].float(), 0.0)
-            s.add_(gamma[i : i + step] @ hc)
-        dw.addr_(w_local, s)
-    if db is not None:
-        db.add_(w_local * gamma.sum())

@@ -37,7 +37,7 @@ from torch import Tensor
 from . import formulas
 from . import stats as S
 from .autograd import needed_input_grads, refuse_second_order
-from .class_weight import ClassWeights, add_smoothing_grads, row_weights, split_uniform, weighted_logit_sum
+from .class_weight import ClassWeights, row_weights, weighted_logit_sum
 from .options import CrossEntropyOptions, LogprobOptions
 from .outputs import check_row_outputs, row_outputs, stats_needed
 from .prepare import (
@@ -136,12 +136,9 @@ def _grads(
     need_bias,
     class_weights: ClassWeights | None = None,
 ):
-    """The gradients from ``coef``; ``class_weights``: their smoothing term is applied here, beside the
-    implementation's (:mod:`cce_dist.class_weight`)."""
+    """The gradients from ``coef``; ``class_weights``: the implementation weighs their smoothing term per vocab row
+    (:mod:`cce_dist.class_weight`)."""
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
-    gamma = None
-    if class_weights is not None and class_weights.smoothing:
-        coef, gamma = split_uniform(coef)
     # deterministic: torch.use_deterministic_algorithms is read when the op runs, as eager reads it when the loss is
     # called
     kw = backend_kwargs(
@@ -168,11 +165,9 @@ def _grads(
             need_hidden=need_hidden,
             need_weight=need_weight,
             need_bias=need_bias,
+            gamma_weights=class_weights.local if class_weights is not None and class_weights.smoothing else None,
             **kw["grads"],
         )
-        if gamma is not None:
-            assert class_weights is not None
-            add_smoothing_grads(h, w, b, class_weights.local, gamma, (dh, dw, db), softcap)
     # unused gradients come back as distinct empty tensors (outputs of a custom op must not alias)
     return (
         hidden.new_empty(0) if dh is None else dh.to(hidden.dtype),

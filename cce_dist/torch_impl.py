@@ -271,12 +271,13 @@ def _finish_dz(
     vocab_start: int,
     temperature: float,
     p_scale: torch.Tensor | None = None,
+    gamma_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Turn ``dz = p`` (in place) into the gradient w.r.t. the raw logits of the chunk.
 
     ``z`` (only with an entropy term): the chunk's ``z - lse`` (= log p), for the DELTA term.
     ``p_scale [n]`` (optional, no entropy term): ``dz`` holds ``p / p_scale``, rescaled in the
-    same pass as the ``alpha`` multiply.
+    same pass as the ``alpha`` multiply. ``gamma_weights [V_local]``: the GAMMA term is ``GAMMA_i * w_j``.
 
     Rows whose coefficients are all zero (``inactive``, from :func:`_inactive_rows`: ignored
     targets, zero upstream gradient) get an exactly zero gradient even when their logits are not
@@ -297,7 +298,7 @@ def _finish_dz(
         t_term += torch.where(p_t != 0, p_t * delta[cols] * z[rows, cols], 0.0)
     dz[rows, cols] = t_term
     if bool((gamma != 0).any()):
-        dz.add_(gamma)
+        dz.add_(gamma if gamma_weights is None else torch.outer(gamma_weights, gamma))
     if th is not None:
         dz.mul_(1.0 - th * th)
     if temperature != 1.0:
@@ -337,6 +338,7 @@ def grads(
     need_bias: bool,
     filter_eps: float | None = None,
     deterministic: bool = False,
+    gamma_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ):
     """Gradients of this shard from the global ``lse`` and ``coef`` (contract: :mod:`cce_dist.backend`).
@@ -370,19 +372,36 @@ def grads(
                 temperature,
                 need_z,
                 round_to,
+                gamma_weights,
             )
     return acc.result()
 
 
 def _grad_chunk(
-    acc, block, hidden, weight, bias, targets, lse, c, sl, vocab_start, softcap, temperature, need_z, round_to
+    acc,
+    block,
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    c,
+    sl,
+    vocab_start,
+    softcap,
+    temperature,
+    need_z,
+    round_to,
+    gamma_weights,
 ):
     """One token chunk of :func:`grads` (a function, so its temporaries die on return)."""
     z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
     z.sub_(lse[sl])  # log p
     p = torch.exp(z) if need_z else z.exp_()
     inactive = _inactive_rows(c)
-    dz = _finish_dz(p, z if need_z else None, th, c, inactive, targets[sl], vocab_start, temperature)
+    dz = _finish_dz(
+        p, z if need_z else None, th, c, inactive, targets[sl], vocab_start, temperature, gamma_weights=gamma_weights
+    )
     acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
 
@@ -405,6 +424,7 @@ def fused_cross_entropy(
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
     need_sum: bool = True,
     sum_column: torch.Tensor | None = None,
+    gamma_weights: torch.Tensor | None = None,
 ):
     """Loss rows and gradients in one pass over token chunks (3 GEMMs; the scalar-loss schedule).
 
@@ -415,7 +435,8 @@ def fused_cross_entropy(
     ``exp(z - m) / s``, exactly: the coefficients need no
     :func:`~cce_dist.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
     ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing);
-    ``sum_column`` (``float32 [N]``) replaces this shard's SUM column before the exchange (class weights).
+    ``sum_column`` (``float32 [N]``) replaces this shard's SUM column before the exchange, and ``gamma_weights``
+    (``float32 [V_local]``) weighs the GAMMA term per vocab row (class weights).
     Returns ``(loss_rows, lse, d_hidden, d_weight, d_bias)``.
     """
     n_tokens = hidden.shape[0]
@@ -440,7 +461,9 @@ def fused_cross_entropy(
         c = coef_fn(lse[sl], sl) * row_grad
         inactive = _inactive_rows(c)
         p_scale = torch.exp(local[:, S.MAX] - glob[:, S.MAX]) / glob[:, S.SUMEXP]
-        dz = _finish_dz(z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale)
+        dz = _finish_dz(
+            z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale, gamma_weights=gamma_weights
+        )
         acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
     for sl in token_chunks(n_tokens, chunk_tokens_):

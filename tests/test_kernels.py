@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 from helpers import problem  # noqa: E402
 
 import cce_dist.kernels as K  # noqa: E402
+from cce_dist import torch_impl  # noqa: E402
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
 from cce_dist.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
 from cce_dist.stats import entropy as stats_entropy  # noqa: E402
@@ -102,8 +103,9 @@ def _no_row_outputs(m):
     return [torch.full_like(m, float("inf")), torch.zeros_like(m)]
 
 
-def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alpha_delta=True):
-    """d raw (float64 [N, V]) for the given coefficients, following the contract literally."""
+def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alpha_delta=True, gamma_weights=None):
+    """d raw (float64 [N, V]) for the given coefficients, following the contract literally (``gamma_weights [V]``:
+    the GAMMA term weighed per vocab row)."""
     _, c, z = oracle_logits(h, w, b, softcap, temperature)
     coef = coef.double()
     p = torch.exp(z - lse.double()[:, None])
@@ -111,7 +113,8 @@ def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alp
     onehot = torch.zeros_like(z)
     rows = ok.nonzero()[:, 0]
     onehot[rows, loc[rows]] = 1.0
-    dz = coef[:, BETA, None] * onehot + coef[:, GAMMA, None]
+    gw = 1.0 if gamma_weights is None else gamma_weights.double()[None, :]
+    dz = coef[:, BETA, None] * onehot + coef[:, GAMMA, None] * gw
     if alpha_delta:  # BETA is the target's excess over ALPHA: (p - onehot) * ALPHA
         dz = dz + (p - onehot) * coef[:, ALPHA, None] + p * coef[:, DELTA, None] * (z - lse.double()[:, None])
     draw = dz / temperature
@@ -120,8 +123,8 @@ def oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, *, alp
     return draw
 
 
-def oracle_grads(h, w, b, t, lse, coef, vocab_start, softcap, temperature):
-    draw = oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature)
+def oracle_grads(h, w, b, t, lse, coef, vocab_start, softcap, temperature, gamma_weights=None):
+    draw = oracle_draw(h, w, b, t, lse, coef, vocab_start, softcap, temperature, gamma_weights=gamma_weights)
     return draw @ w.double(), draw.T @ h.double(), (draw.sum(0) if b is not None else None)
 
 
@@ -414,6 +417,31 @@ def test_grads_schedules_match_oracle(schedule, i):
 
 
 @pytest.mark.parametrize("filter_eps", [None, 0.0])
+@pytest.mark.parametrize("schedule", ["tiles", "owner", "chunked-rows"])
+@pytest.mark.parametrize("i", [0, 3, 12, 15])
+def test_grads_gamma_weights_match_oracle(i, schedule, filter_eps):
+    """Class weights: the GAMMA term weighed per vocab row (``gamma_weights``, a third of them 0), in the tiles
+    (every schedule) and, with filtering and no softcap, added by the launcher; the torch implementation too."""
+    bias, softcap, temp, vs = COMBOS[i]
+    n, d, v = 33, 24, 100
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=bias, vocab_start=vs, seed=80 + i)
+    lse = shard_lse(*_cpu(h, w, b), softcap, temp).to(DEVICE)
+    coef = make_coef(n, seed=i)
+    gw = torch.rand(v, generator=torch.Generator().manual_seed(i)) * 2
+    gw[::3] = 0.0
+    ref = oracle_grads(*_cpu(h, w, b, t, lse, coef), vs, softcap, temp, gamma_weights=gw)
+    kw = dict(filter_eps=filter_eps, deterministic=schedule == "owner", gamma_weights=gw.to(DEVICE))
+    got = _run_grads(h, w, b, t, lse, coef, vs, softcap, temp, **_schedule(schedule, schedule == "owner"), **kw)
+    _check_fp32_grads(got, ref)
+    cpu = _cpu(h, w, b, t, lse, coef)
+    need = dict(need_hidden=True, need_weight=True, need_bias=b is not None)
+    torch_got = torch_impl.grads(
+        *cpu, vocab_start=vs, softcap=softcap, temperature=temp, gamma_weights=gw, chunk_size=7 * v, **need
+    )
+    _check_fp32_grads(torch_got, ref)
+
+
+@pytest.mark.parametrize("filter_eps", [None, 0.0])
 @pytest.mark.parametrize("i", range(len(COMBOS)))
 def test_grads_chunked_row_blocks_match_oracle(i, filter_eps):
     """The chunked schedule in row blocks (as at large N) gives the oracle's gradients with every
@@ -638,11 +666,12 @@ def test_chunked_scratch_stays_in_budget_at_any_n():
             kernels = sorted({type(k).__name__ if isinstance(k, B._HostStep) else k.fn.__name__
                               for k, *_ in launches})
             dz = [(a, kw) for k, _, a, kw in launches if k is B._dz_store_kernel]
-            scratch = {id(x): x for a, kw in dz for x in (a[6], a[7] if kw["NEED_DB"] else None) if x is not None}
+            # the dz kernel's arguments: H W Bias Targets LSE Coef GammaW DZ DBP N V D vocab_start ...
+            scratch = {id(x): x for a, kw in dz for x in (a[7], a[8] if kw["NEED_DB"] else None) if x is not None}
             out.append(dict(
                 n=n, kernels=kernels, block_n=dz[0][1]["BLOCK_N"] if dz else 0,
                 scratch_bytes=sum(x.numel() * x.element_size() for x in scratch.values()),
-                blocks=[(a[0].storage_offset() // d, a[8], a[11], a[9]) for a, _ in dz],
+                blocks=[(a[0].storage_offset() // d, a[9], a[12], a[10]) for a, _ in dz],
             ))
         json.dump(dict(cases=out, budget=C.CHUNK_SCRATCH_BYTES, min_cols=C.CHUNK_MIN_COLS), sys.stdout)
     """)

@@ -147,7 +147,7 @@ def test_backward_plan_takes_grads_arguments():
     pytest.importorskip("triton")
     from cce_dist.kernels import backward
 
-    assert _params(backward.plan) == _insert_after(_params(backward.grads), "deterministic", PLAN_EXTRA)
+    assert _params(backward.plan) == _insert_after(_params(backward.grads), "gamma_weights", PLAN_EXTRA)
 
 
 @pytest.mark.parametrize(

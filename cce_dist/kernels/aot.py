@@ -211,8 +211,10 @@ def backward_launches(
     tf32=True,
     need_bias=True,
     schedule="tiles",
+    class_weights=False,
 ):
-    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed).
+    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed;
+    ``class_weights``: the GAMMA term weighed per vocab row, ``gamma_weights``).
 
     ``schedule``: the backward's ``_schedule`` ("tiles", "chunked", "owner"; the
     deterministic calls use "owner" unless told otherwise). Only the Triton launches are returned: the
@@ -237,6 +239,7 @@ def backward_launches(
         need_bias=need_bias,
         filter_eps=filter_eps,
         deterministic=deterministic,
+        gamma_weights=torch.empty(v, dtype=torch.float32, device="meta") if class_weights else None,
         props=props,
         allow_tf32=tf32,
         _schedule="owner" if deterministic and schedule == "tiles" else schedule,
@@ -266,6 +269,7 @@ _FLAGS = {
     "bias+softcap+temp": dict(bias=True, softcap=30.0, temperature=0.7),
     "filter": dict(filter_eps=2.0**-12),
     "filter+softcap+bias": dict(bias=True, softcap=30.0, filter_eps=2.0**-12),
+    "class-weights+softcap+bias": dict(bias=True, softcap=30.0, class_weights=True),
 }
 
 
@@ -276,11 +280,11 @@ def matrix(props: _config.DeviceProps):
     on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
     sampled so that each selectable config and each kernel appears (the forward with all five statistics; bf16
     also without SUM / ENTROPY, the plain cross-entropy's; bf16 and TF32 with the row outputs' ARGMAX and SUMSQ
-    too); bf16 gets all four backward
-    flag sets fused and two deterministic, TF32 the plain and the heaviest, fp16 (bf16's configs)
-    and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain and the heaviest flags)
-    and once per other mode; plus the ragged shape once (no divisibility hints) and the chunked dz
-    kernel at a token count split into row blocks, the last one ragged (bf16)."""
+    too); bf16 gets all five backward
+    flag sets fused and three deterministic (plain, the heaviest, class weights), TF32 the plain, the heaviest and
+    class weights, fp16 (bf16's configs) and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain,
+    the heaviest flags, class weights) and once per other mode; plus the ragged shape once (no divisibility hints)
+    and the chunked dz kernel at a token count split into row blocks, the last one ragged (bf16)."""
     n, d, v = PAPER_SHAPE
     out = []
 
@@ -305,8 +309,9 @@ def matrix(props: _config.DeviceProps):
                     props, dtype, n, d, v, bias=True, softcap=fl["softcap"], temperature=fl["temperature"]
                 )[:1],
             )
-        fused = {"bf16": list(_FLAGS), "tf32": ["plain", heavy], "fp16": ["plain"], "fp32": ["plain"]}[name]
-        det = {"bf16": ["plain", heavy], "tf32": [heavy], "fp16": [], "fp32": [heavy]}[name]
+        weighted = "class-weights+softcap+bias"
+        fused = {"bf16": list(_FLAGS), "tf32": ["plain", heavy, weighted], "fp16": ["plain"], "fp32": ["plain"]}[name]
+        det = {"bf16": ["plain", heavy, weighted], "tf32": [heavy], "fp16": [], "fp32": [heavy]}[name]
         for fname in fused:
             add(f"{name}/{fname}/bwd", backward_launches(props, dtype, n, d, v, tf32=tf32, **_FLAGS[fname]))
         for fname in det:
@@ -314,7 +319,8 @@ def matrix(props: _config.DeviceProps):
                 f"{name}/{fname}/bwd-det",
                 backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True, **_FLAGS[fname]),
             )
-        for fname in {"bf16": ["plain", heavy], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}[name]:
+        chunked = {"bf16": ["plain", heavy, weighted], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}
+        for fname in chunked[name]:
             add(
                 f"{name}/{fname}/bwd-chunked",
                 backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="chunked", **_FLAGS[fname]),

@@ -107,6 +107,7 @@ def _dz_tile(
     Targets,
     LSE,
     Coef,
+    GammaW,
     N,
     V,
     D,
@@ -127,6 +128,7 @@ def _dz_tile(
     HAS_TEMP: tl.constexpr,
     FILTER: tl.constexpr,
     GAMMA_IN_TILE: tl.constexpr,
+    HAS_GAMMA_W: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -202,7 +204,12 @@ def _dz_tile(
     tterm = (p - 1.0) * alpha[:, None] + beta[:, None] + dterm
     dz = tl.where(hit, tterm, pterm)
     if GAMMA_IN_TILE:
-        dz += tl.where(ok, gamma[:, None], 0.0)
+        if HAS_GAMMA_W:  # class weights: the uniform term weighs each vocab row (GammaW: fp32 [V])
+            # 0 outside the tile's valid rows (gamma = 0 there) and columns (gw = 0): no mask tile needed
+            gw = tl.load(GammaW + offs_v, mask=col_ok, other=0.0)
+            dz += gamma[:, None] * gw[None, :]
+        else:
+            dz += tl.where(ok, gamma[:, None], 0.0)
     if HAS_TEMP:
         dz = dz / temperature
     if HAS_SOFTCAP:
@@ -306,6 +313,7 @@ def _grads_fused_kernel(
     Targets,
     LSE,
     Coef,
+    GammaW,
     DH,
     DW,
     DB,
@@ -334,6 +342,7 @@ def _grads_fused_kernel(
     HAS_TEMP: tl.constexpr,
     FILTER: tl.constexpr,
     GAMMA_IN_TILE: tl.constexpr,
+    HAS_GAMMA_W: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -362,9 +371,10 @@ def _grads_fused_kernel(
     row_ok = offs_n < N
     col_ok = offs_v < V
     dz, keep, active = _dz_tile(
-        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-        HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, GammaW, N, V, D, vocab_start, softcap, temperature,
+        filter_eps, stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS,
+        HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, HAS_GAMMA_W, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16,
+        BLOCK_N, BLOCK_V, BLOCK_D,
     )  # fmt: skip
     if keep:
         if NEED_DB:
@@ -392,6 +402,7 @@ def _dz_store_kernel(
     Targets,
     LSE,
     Coef,
+    GammaW,
     DZ,
     DBP,
     N,
@@ -417,6 +428,7 @@ def _dz_store_kernel(
     HAS_TEMP: tl.constexpr,
     FILTER: tl.constexpr,
     GAMMA_IN_TILE: tl.constexpr,
+    HAS_GAMMA_W: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -445,9 +457,10 @@ def _dz_store_kernel(
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = offs_v < V
     dz, keep, active = _dz_tile(
-        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-        stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-        HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+        offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, GammaW, N, V, D, vocab_start, softcap, temperature,
+        filter_eps, stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS,
+        HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, HAS_GAMMA_W, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16,
+        BLOCK_N, BLOCK_V, BLOCK_D,
     )  # fmt: skip
     dz = tl.where(keep, dz, 0.0)
     if NEED_DB:
@@ -464,6 +477,7 @@ def _grads_dh_kernel(
     Targets,
     LSE,
     Coef,
+    GammaW,
     DH,
     N,
     V,
@@ -486,6 +500,7 @@ def _grads_dh_kernel(
     HAS_TEMP: tl.constexpr,
     FILTER: tl.constexpr,
     GAMMA_IN_TILE: tl.constexpr,
+    HAS_GAMMA_W: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -506,9 +521,10 @@ def _grads_dh_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < V
         dz, keep, active = _dz_tile(
-            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, GammaW, N, V, D, vocab_start, softcap, temperature,
+            filter_eps, stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS,
+            HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, HAS_GAMMA_W, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16,
+            BLOCK_N, BLOCK_V, BLOCK_D,
         )  # fmt: skip
         if keep:
             dzc = round_to(dz, H.dtype.element_ty, INTERP_BF16)
@@ -528,6 +544,7 @@ def _grads_dw_kernel(
     Targets,
     LSE,
     Coef,
+    GammaW,
     DW,
     DB,
     N,
@@ -553,6 +570,7 @@ def _grads_dw_kernel(
     HAS_TEMP: tl.constexpr,
     FILTER: tl.constexpr,
     GAMMA_IN_TILE: tl.constexpr,
+    HAS_GAMMA_W: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -574,9 +592,10 @@ def _grads_dw_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         dz, keep, active = _dz_tile(
-            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, N, V, D, vocab_start, softcap, temperature, filter_eps,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS, HAS_SOFTCAP,
-            HAS_TEMP, FILTER, GAMMA_IN_TILE, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D,
+            offs_n, offs_v, H, W, Bias, Targets, LSE, Coef, GammaW, N, V, D, vocab_start, softcap, temperature,
+            filter_eps, stride_hn, stride_hd, stride_wv, stride_wd, stride_b, stride_t, stride_cn, stride_ck, HAS_BIAS,
+            HAS_SOFTCAP, HAS_TEMP, FILTER, GAMMA_IN_TILE, HAS_GAMMA_W, USE_LIBDEVICE, DOT_PRECISION, INTERP_BF16,
+            BLOCK_N, BLOCK_V, BLOCK_D,
         )  # fmt: skip
         if keep:
             if NEED_DB:
@@ -598,13 +617,17 @@ _INTERPRET = interpreting(_grads_fused_kernel)
 _GAMMA_CHUNK_BYTES = 8 << 20
 
 
-def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
+def _add_uniform_term(hidden, weight, gamma, dh, dw, db, gamma_weights=None) -> None:
     """Exact contribution of the GAMMA term when it was left out of the tiles (no softcap):
-    draw_ij = gamma_i (already divided by the temperature) for every local vocab row j."""
+    draw_ij = gamma_i (already divided by the temperature) times ``gamma_weights[j]`` (1 when None) for every
+    local vocab row j."""
     if dh is not None:
         # Every gamma 0 (no label smoothing) adds exactly 0, also for a weight with inf columns (0 * inf would be
         # NaN): decided on the device, without reading gamma back to the host.
-        col = weight.sum(0, dtype=torch.float32)
+        if gamma_weights is None:
+            col = weight.sum(0, dtype=torch.float32)
+        else:  # a zero weight keeps its row out even where the head holds inf
+            col = torch.where((gamma_weights != 0)[:, None], weight.float(), 0.0).T @ gamma_weights
         dh.addr_(gamma, torch.where((gamma != 0).any(), col, torch.zeros((), dtype=col.dtype, device=col.device)))
     if dw is not None:
         n, d = hidden.shape
@@ -615,9 +638,12 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db) -> None:
             # Rows with gamma == 0 stay out even when their hidden state is not finite.
             hc = torch.where((g != 0)[:, None], hidden[i : i + rows].float(), 0.0)
             u.add_(g @ hc)
-        dw.add_(u)
+        if gamma_weights is None:
+            dw.add_(u)
+        else:
+            dw.addr_(gamma_weights, u)
     if db is not None:
-        db.add_(gamma.sum())
+        db.add_(gamma.sum() if gamma_weights is None else gamma.sum() * gamma_weights)
 
 
 #: Values of ``_schedule`` (see :func:`grads`); None picks one.
@@ -665,7 +691,7 @@ def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, s
 
 
 def _chunked_launches(
-    hidden, weight, bias, targets, lse, coef, dh, dw, db, scalars, flags, group_n, launch, max_rows=None
+    hidden, weight, bias, targets, lse, coef, gamma_w, dh, dw, db, scalars, flags, group_n, launch, max_rows=None
 ):
     """The chunked schedule: the shard's vocab in chunks of Vc columns and the tokens in row blocks
     of Nc rows (:func:`_chunk_shape`; one block holding every row unless the scratch needs more).
@@ -713,7 +739,8 @@ def _chunked_launches(
         b_c = bias[c0:c1] if bias is not None else hidden
         for r0 in range(0, n, nc):
             r1 = min(n, r0 + nc)
-            rows = (hidden[r0:r1], w_c, b_c, targets[r0:r1], lse[r0:r1], coef[r0:r1])
+            gw_c = gamma_w[c0:c1] if gamma_w is not None else lse  # the chunk's class weights (or never read)
+            rows = (hidden[r0:r1], w_c, b_c, targets[r0:r1], lse[r0:r1], coef[r0:r1], gw_c)
             sc = (r1 - r0, c1 - c0, *scalars[2:3], scalars[3] + c0, *scalars[4:])
             args = (*rows, scratch, dbp, *sc, scratch.stride(0), dbp.stride(0))
             grid = (triton.cdiv(r1 - r0, bn) * triton.cdiv(c1 - c0, bv),)
@@ -773,7 +800,7 @@ def _outputs(schedule: str, n: int, d: int, v: int, device, need_hidden: bool, n
     return dh, dw, db
 
 
-def _tuning(hidden, schedule, props, precision, has_softcap, filt, blocks):
+def _tuning(hidden, schedule, props, precision, has_softcap, filt, class_weights, blocks):
     """``(blocks, (group_n, warps, stages), props)``: the tile sizes ``(BLOCK_N, BLOCK_V, BLOCK_D,
     BLOCK_D_OUT)`` and launch parameters from ``_blocks`` (tests), the interpreter's config or
     :func:`.config.backward_config` for ``props`` (the tensors' CUDA device when None)."""
@@ -791,12 +818,13 @@ def _tuning(hidden, schedule, props, precision, has_softcap, filt, blocks):
             softcap=has_softcap,
             filtering=filt,
             deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
+            class_weights=class_weights,
         )
     return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages), props
 
 
 def _kernel_args(
-    hidden, weight, bias, targets, lse, coef, vocab_start, softcap, temperature, filter_eps, precision, blocks
+    hidden, weight, bias, targets, lse, coef, gamma_w, vocab_start, softcap, temperature, filter_eps, precision, blocks
 ):
     """``(common, scalars, flags)``: the tensors, runtime scalars and constexprs every backward
     kernel takes, in the kernels' parameter order."""
@@ -804,7 +832,8 @@ def _kernel_args(
     has_softcap = softcap is not None and softcap != 0
     has_temp = temperature is not None and float(temperature) != 1.0
     filt = filter_eps is not None
-    common = (hidden, weight, bias if bias is not None else hidden, targets, lse, coef)
+    gw = gamma_w if gamma_w is not None else lse  # never read without HAS_GAMMA_W
+    common = (hidden, weight, bias if bias is not None else hidden, targets, lse, coef, gw)
     scalars = (
         n,
         weight.shape[0],
@@ -829,6 +858,7 @@ def _kernel_args(
         HAS_TEMP=has_temp,
         FILTER=filt,
         GAMMA_IN_TILE=not (filt and not has_softcap),
+        HAS_GAMMA_W=gamma_w is not None,
         USE_LIBDEVICE=use_libdevice(_INTERPRET),
         DOT_PRECISION=precision,
         INTERP_BF16=interp_bf16(hidden.dtype, _INTERPRET),
@@ -896,6 +926,7 @@ def plan(
     need_bias,
     filter_eps=None,
     deterministic=False,
+    gamma_weights=None,
     props=None,
     allow_tf32=None,
     _blocks=None,
@@ -925,17 +956,43 @@ def plan(
     has_softcap = softcap is not None and softcap != 0
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
     blocks, (group_n, warps, stages), props = _tuning(
-        hidden, schedule, props, precision, has_softcap, filter_eps is not None, _blocks
+        hidden, schedule, props, precision, has_softcap, filter_eps is not None, gamma_weights is not None, _blocks
     )
     launch = {} if _INTERPRET else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
     if logger.isEnabledFor(logging.DEBUG):
         _log_plan(schedule, why, hidden, weight, blocks, (group_n, warps, stages), _chunk_rows, bias)
     common, scalars, flags = _kernel_args(
-        hidden, weight, bias, targets, lse, coef, vocab_start, softcap, temperature, filter_eps, precision, blocks
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        coef,
+        gamma_weights,
+        vocab_start,
+        softcap,
+        temperature,
+        filter_eps,
+        precision,
+        blocks,
     )
     if schedule == "chunked":
         launches = _chunked_launches(
-            *common[:2], bias, *common[3:], dh, dw, db, scalars, flags, group_n, launch, _chunk_rows
+            hidden,
+            weight,
+            bias,
+            targets,
+            lse,
+            coef,
+            gamma_weights,
+            dh,
+            dw,
+            db,
+            scalars,
+            flags,
+            group_n,
+            launch,
+            _chunk_rows,
         )
     elif schedule == "tiles":
         launches = _tiles_launches(common, scalars, flags, dh, dw, db, group_n, launch)
@@ -960,6 +1017,7 @@ def grads(
     need_bias,
     filter_eps=None,
     deterministic=False,
+    gamma_weights=None,
     _blocks=None,
     _schedule=None,
     _chunk_rows=None,
@@ -969,8 +1027,9 @@ def grads(
 
     ``hidden [N, D]`` / ``weight [V_local, D]`` / ``bias [V_local]``: compute dtype (fp32, bf16 or
     fp16); ``targets [N]`` int64 global ids; ``lse`` fp32 [N] global log-sum-exp; ``coef`` fp32
-    [N, 4] (ALPHA, BETA, GAMMA, DELTA). ``filter_eps``: skip tiles whose p-terms are all below
-    it relative to their row's coefficient scale (see the module docstring; None = exact).
+    [N, 4] (ALPHA, BETA, GAMMA, DELTA); ``gamma_weights`` fp32 [V_local] or None: the GAMMA term is
+    ``GAMMA_i * gamma_weights[j]`` (class weights), ``GAMMA_i`` when None. ``filter_eps``: skip tiles whose
+    p-terms are all below it relative to their row's coefficient scale (see the module docstring; None = exact).
     ``deterministic``: no float atomics, bitwise repeatable.
     ``_blocks`` (tests only): ``(BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D_OUT)``. ``_schedule`` (tests and
     benchmarks; None picks one, see the module docstring): ``"chunked"`` (per vocab chunk and row
@@ -992,6 +1051,10 @@ def grads(
     targets = targets.to(torch.int64)
     lse = lse.to(torch.float32).contiguous()
     coef = coef.to(torch.float32)
+    if gamma_weights is not None:
+        if gamma_weights.shape != (weight.shape[0],):
+            raise ValueError(f"gamma_weights must be [V_local] = [{weight.shape[0]}], got {tuple(gamma_weights.shape)}")
+        gamma_weights = gamma_weights.to(torch.float32).contiguous()
     dh, dw, db, launches = plan(
         hidden,
         weight,
@@ -1007,6 +1070,7 @@ def grads(
         need_bias=need_bias,
         filter_eps=filter_eps,
         deterministic=deterministic,
+        gamma_weights=gamma_weights,
         _blocks=_blocks,
         _schedule=_schedule,
         _chunk_rows=_chunk_rows,
@@ -1020,7 +1084,7 @@ def grads(
         gamma = coef[:, GAMMA]
         if temperature is not None and float(temperature) != 1.0:
             gamma = gamma / float(temperature)
-        _add_uniform_term(hidden, weight, gamma, dh, dw, db)
+        _add_uniform_term(hidden, weight, gamma, dh, dw, db, gamma_weights)
     return dh, dw, db
 
 
