@@ -318,8 +318,8 @@ def backward_config(
     The softcap and filtering epilogues keep more fp32 tiles live (tanh factor, filter test):
     with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
     matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there).
-    ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic kernels' epilogue beside the softcap
-    tiles then spills with 32-wide column chunks on mma.sync (8 B on sm_80), so it gets 16-wide ones.
+    ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic dW kernel beside the softcap tiles
+    then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks)."""
@@ -333,7 +333,9 @@ def backward_config(
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
-        return BwdConfig(64, 64, 32, 16 if class_weights else 32, group_n=8, num_warps=8, num_stages=2)
+        if class_weights:
+            return BwdConfig(64, 32, 32, 32, group_n=8, num_warps=8, num_stages=2)
+        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
         cands = [
