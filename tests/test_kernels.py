@@ -633,13 +633,13 @@ def test_chunked_row_blocks_and_chunks_tile_the_shard():
     ]
     assert steps == want
     for (args, grid), (c0, c1, r0, r1) in zip(dz, want):
-        hidden, weight, _, targets, lse, coef, scratch = args[:7]
+        hidden, weight, _, targets, lse, coef, _gamma_w, scratch = args[:8]
         assert hidden.storage_offset() == r0 * d and hidden.shape == (r1 - r0, d)
         assert (targets.storage_offset(), lse.storage_offset(), coef.storage_offset()) == (r0, r0, 4 * r0)
         assert weight.storage_offset() == c0 * d and weight.shape == (c1 - c0, d)
-        assert args[8:12] == (r1 - r0, c1 - c0, d, c0)  # N, V, D, vocab_start of the launch
+        assert args[9:13] == (r1 - r0, c1 - c0, d, c0)  # N, V, D, vocab_start of the launch
         assert scratch.shape == (32, 64) and grid == (-(-(r1 - r0) // 16) * -(-(c1 - c0) // 32),)
-    assert len({id(a[6]) for a, _ in dz}) == 1
+    assert len({id(a[7]) for a, _ in dz}) == 1
 
 
 def test_chunked_scratch_stays_in_budget_at_any_n():
