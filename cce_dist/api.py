@@ -295,8 +295,9 @@ def linear_cross_entropy(
             ``F.cross_entropy(weight=)``'s per-class weights (each rank reads its shard's slice). The
             target's weight scales its row, label smoothing weighs each class by its weight, and
             ``mean`` divides by the sum of the counted targets' weights (0 when that sum is 0).
-            A constant: it must not require grad. With ``label_smoothing`` it needs
-            ``softcap=None`` (and no ``"mean_logit"`` row output). ``z_loss`` is added unweighted.
+            A constant: it must not require grad. ``z_loss`` is added per token, unweighted (``mean``:
+            over the counted tokens, as Liger does). With ``label_smoothing``: no ``"mean_logit"`` row
+            output, and with a softcap too one more logit pass in forward.
         ignore_index: targets equal to it contribute 0 loss and no gradient.
         reduction: ``"mean"`` over non-ignored tokens (0, not NaN, when all are ignored),
             ``"sum"`` or ``"none"`` (per-token loss, targets' shape, 0 at ignored positions).
