@@ -24,7 +24,7 @@ import torch
 from . import formulas
 from . import stats as S
 from .backend import Backend, Capabilities
-from .class_weight import ClassWeights, weighted_logit_sum
+from .class_weight import ClassWeights, gamma_weights, sum_column
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
 from .prepare import to_dtype
@@ -75,8 +75,9 @@ def _forward_stats(
         temperature=temperature,
         **plan.backend_kwargs.get("row_stats", {}),
     )
-    if cw is not None and cw.smoothing:
-        local[:, S.SUM] = weighted_logit_sum(h, w, b, cw.local, softcap)
+    col = sum_column(cw, h, w, b, softcap)
+    if col is not None:
+        local[:, S.SUM] = col
     kw = plan.backend_kwargs.get("row_stats", {})
     return h, plan.comm.reduce_stats(local, extras=bool(kw.get("need_argmax") or kw.get("need_sumsq")))
 
@@ -138,7 +139,7 @@ def _backward_grads(
             need_hidden=need_h,
             need_weight=need_w,
             need_bias=need_b,
-            gamma_weights=cw.local if cw is not None and cw.smoothing else None,
+            gamma_weights=gamma_weights(cw),
             **plan.backend_kwargs.get("grads", {}),
         )
         return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias)
@@ -300,7 +301,6 @@ class FusedCrossEntropy(HoldsGradients):
                 label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
             )
             ones = torch.ones(1, dtype=torch.float32, device=h.device)
-            smoothing = cw is not None and cw.smoothing
 
             def coef_fn(lse: torch.Tensor, sl: slice) -> torch.Tensor:
                 t = None if terms is None else (terms[0][sl], terms[1])
@@ -328,11 +328,9 @@ class FusedCrossEntropy(HoldsGradients):
                 need_weight=need_w,
                 need_bias=need_b,
                 reduce_stats=comm.reduce_stats if comm.active else None,
-                need_sum=bool(opts.label_smoothing) and not smoothing,
-                sum_column=weighted_logit_sum(h, w, b, cw.local, opts.softcap)
-                if cw is not None and smoothing
-                else None,
-                gamma_weights=cw.local if cw is not None and smoothing else None,
+                need_sum=bool(opts.label_smoothing) and cw is None,
+                sum_column=sum_column(cw, h, w, b, opts.softcap),
+                gamma_weights=gamma_weights(cw),
             )
             if dh is not None:
                 dh = comm.reduce_hidden_grad(dh)

@@ -92,8 +92,9 @@ def weight_mean(class_weight: Tensor) -> Tensor:
     return class_weight.to(torch.float32).mean()
 
 
-def _head_direction(weight: Tensor, w_local: Tensor) -> Tensor:
-    """``float32 [D]``: ``sum_j w_j W_head[j]`` over the local rows, in float32 (chunks of the head upcast)."""
+def head_direction(weight: Tensor, w_local: Tensor) -> Tensor:
+    """``float32 [D]``: ``sum_j w_j W_head[j]`` over the local rows, in float32 (chunks of the head upcast, so no
+    float32 copy of the whole head; rows with a zero weight are left out)."""
     u = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
     step = _rows_per_chunk(weight.shape[1])
     for j in range(0, weight.shape[0], step):
@@ -133,10 +134,24 @@ def weighted_logit_sum(
         for rows, c in _softcapped_logits(hidden, _gemm_head(weight), bias, softcap):
             out[rows] = torch.where(w_local != 0, c * w_local, 0.0).sum(1)
         return out * S.SUM_SCALE
-    u = _head_direction(weight, w_local)
+    u = head_direction(weight, w_local)
     step = _rows_per_chunk(hidden.shape[1])
     for i in range(0, hidden.shape[0], step):
         out[i : i + step] = hidden[i : i + step].float() @ u
     if bias is not None:
         out += torch.where(w_local != 0, w_local * bias.float(), 0.0).sum()
     return out * S.SUM_SCALE
+
+
+def gamma_weights(cw: ClassWeights | None) -> Tensor | None:
+    """The backends' ``gamma_weights`` for ``cw`` (its local slice where the smoothing term is on), else None."""
+    return cw.local if cw is not None and cw.smoothing else None
+
+
+def sum_column(
+    cw: ClassWeights | None, hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None
+) -> Tensor | None:
+    """The SUM column this rank's statistics carry for ``cw`` (:func:`weighted_logit_sum`), or None where the
+    implementation's own (unweighted or unneeded) SUM stands."""
+    w = gamma_weights(cw)
+    return None if w is None else weighted_logit_sum(hidden, weight, bias, w, softcap)

@@ -37,7 +37,7 @@ from torch import Tensor
 from . import formulas
 from . import stats as S
 from .autograd import needed_input_grads, refuse_second_order
-from .class_weight import ClassWeights, row_weights, weighted_logit_sum
+from .class_weight import ClassWeights, gamma_weights, row_weights, sum_column
 from .options import CrossEntropyOptions, LogprobOptions
 from .outputs import check_row_outputs, row_outputs, stats_needed
 from .prepare import (
@@ -165,7 +165,7 @@ def _grads(
             need_hidden=need_hidden,
             need_weight=need_weight,
             need_bias=need_bias,
-            gamma_weights=class_weights.local if class_weights is not None and class_weights.smoothing else None,
+            gamma_weights=gamma_weights(class_weights),
             **kw["grads"],
         )
     # unused gradients come back as distinct empty tensors (outputs of a custom op must not alias)
@@ -223,10 +223,10 @@ def _ce_rows(
         need_sum=bool(label_smoothing) and cw is None,
         row_outputs=row_outputs,
     )
-    if cw is not None and cw.smoothing:
+    if gamma_weights(cw) is not None:
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, b = hidden.to(compute_dtype), weight.to(compute_dtype), to_dtype(bias, compute_dtype)
-            stats[:, S.SUM] = weighted_logit_sum(h, w, b, cw.local, softcap)
+            stats[:, S.SUM] = sum_column(cw, h, w, b, softcap)
     loss, lse = formulas.cross_entropy_rows(
         stats,
         valid,

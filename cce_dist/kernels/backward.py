@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from cce_dist.class_weight import head_direction
 from cce_dist.runtime import device_guard, f32_out_gemm, free_bytes, logger, mm_f32
 
 from . import config as _config
@@ -626,8 +627,8 @@ def _add_uniform_term(hidden, weight, gamma, dh, dw, db, gamma_weights=None) -> 
         # NaN): decided on the device, without reading gamma back to the host.
         if gamma_weights is None:
             col = weight.sum(0, dtype=torch.float32)
-        else:  # a zero weight keeps its row out even where the head holds inf
-            col = torch.where((gamma_weights != 0)[:, None], weight.float(), 0.0).T @ gamma_weights
+        else:
+            col = head_direction(weight, gamma_weights)
         dh.addr_(gamma, torch.where((gamma != 0).any(), col, torch.zeros((), dtype=col.dtype, device=col.device)))
     if dw is not None:
         n, d = hidden.shape
