@@ -24,7 +24,7 @@ from .class_weight import ClassWeights
 from .driver import Call, plan_call
 from .options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
 from .outputs import RowOutput, RowOutputs, row_outputs, stats_needed
-from .parallel import VocabShard
+from .parallel import VocabShard, values_checksum
 from .prepare import (
     Prepared,
     check_class_weight,
@@ -66,13 +66,21 @@ def _call(
         bias=bias,
         prepare=prepare,
         resolve=resolve,
-        extra=lambda rows: extra,
+        extra=lambda rows: extra + _class_weight_values(class_weight, rows),
         need_entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
         # with class weights the smoothing term's (weighted) sum is formed outside the implementation
         need_sum=needs["need_sum"] or (smoothing and class_weight is None),
         need_argmax=needs["need_argmax"],
         need_sumsq=needs["need_sumsq"],
     )
+
+
+def _class_weight_values(class_weight, rows: Prepared | None) -> tuple[tuple[str, object], ...]:
+    """The handshake's checksum of ``class_weight``'s values (every rank must pass the same vector): formed only on a
+    rank whose inputs validated (``rows`` not None), so a malformed ``class_weight`` raises in the handshake instead."""
+    if class_weight is None:
+        return ()
+    return (("class_weight's values (checksum)", None if rows is None else values_checksum(class_weight)),)
 
 
 def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: CrossEntropyOptions | LogprobOptions):

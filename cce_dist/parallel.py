@@ -214,6 +214,16 @@ def targets_checksum(targets: torch.Tensor) -> tuple[int, int]:
     return first, second
 
 
+def values_checksum(values: torch.Tensor) -> tuple[int, int]:
+    """:func:`targets_checksum` of a floating tensor's float32 bit patterns, identical on ranks holding equal values.
+
+    ``-0.0`` counts as ``0.0`` and every NaN as one NaN (they give the same losses); any other difference, a NaN on
+    one rank only included, changes the checksum. Used for ``class_weight``, which every rank passes whole."""
+    v = values.detach().reshape(-1).to(torch.float32) + 0.0  # -0.0 + 0.0 == +0.0
+    v = torch.where(torch.isnan(v), torch.full_like(v, float("nan")), v)
+    return targets_checksum(v.view(torch.int32))
+
+
 # handshake vector fields: the layout, the target checksums, then one fingerprint per named option (OPTION_SLOTS)
 _OK, _N, _START, _STOP, _FP, _CK, _CK2, _TMAX, _D, _NLOC = range(10)
 #: named options fingerprinted one by one, so a disagreement names the option that differs; a call with more folds

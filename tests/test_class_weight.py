@@ -301,6 +301,48 @@ def test_ranks_disagreeing_on_the_length_name_it(tmp_path):
     assert all("[V] = [29]" in results[r] for r in (0, 1)), results
 
 
+def _values_vector():
+    cw = torch.linspace(0.5, 1.5, 29)
+    cw[5] = 0.0
+    return cw
+
+
+def _values_body(rank, world, group, edit):
+    """Every rank passes a whole [29] vector; ``edit`` changes rank 1's copy (None: all equal)."""
+    p = problem(24, 8, 29)
+    start, stop = ((0, 10), (10, 20), (20, 29))[rank] if world == 3 else LAYOUT[rank]
+    cw = _values_vector()
+    if rank == 1 and edit is not None:
+        cw[edit[0]] = edit[1]
+    try:
+        loss = linear_cross_entropy(
+            p.hidden, p.weight[start:stop], p.targets, class_weight=cw, shard=VocabShard(group, start, stop)
+        )
+    except ValueError as e:
+        return str(e)
+    return float(loss)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("edit", [(3, 0.25), (20, float("nan")), (0, -0.5)], ids=["other value", "nan", "first id"])
+def test_ranks_disagreeing_on_the_values_name_it(tmp_path, world, edit):
+    """Equal lengths, one rank's copy differs (another value, a NaN, an id outside its own shard): every rank raises
+    naming class_weight's values, instead of each computing its own loss (or NaN on one rank only)."""
+    results = run_ranks(_values_body, world, tmp_path, kw=dict(edit=edit), timeout=120)
+    assert all(isinstance(results[r], str) and "class_weight's values" in results[r] for r in results), results
+
+
+def test_ranks_with_equal_values_agree(tmp_path):
+    """The checksum does not refuse equal vectors; -0.0 and 0.0 count as equal (they give the same loss)."""
+    results = run_ranks(_values_body, 3, tmp_path, kw=dict(edit=(5, -0.0)), timeout=120)
+    assert all(isinstance(v, float) for v in results.values()), results
+    assert len(set(results.values())) == 1, results
+    p = problem(24, 8, 29)
+    h, w = p.hidden.double(), p.weight.double()
+    want = float(oracle_cross_entropy(h, w, p.targets, class_weight=_values_vector().double(), dtype=None))
+    assert abs(results[0] - want) <= 1e-5 * max(1.0, abs(want)), (results, want)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Liger-Kernel's cases (test/transformers/test_fused_linear_cross_entropy.py): class weights with every other
 # option, token accuracy and predicted tokens, at its small shape (B, T, H, V) = (4, 47, 31, 123)
