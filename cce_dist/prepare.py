@@ -64,6 +64,25 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
+def _functorch_wrapped(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (``vmap``'s batched tensor, ``grad``'s tracking one)."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return isinstance(t, torch.Tensor) and wrapped is not None and bool(wrapped(t))
+
+
+def check_plain_tensors(*named: tuple[str, Any]) -> None:
+    """Refuse ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ...) with the alternative, naming the argument:
+    the loss's autograd Functions read ids and schedules on the host, which a transform's wrapper has no storage for."""
+    for name, t in named:
+        if _functorch_wrapped(t):
+            raise NotImplementedError(
+                f"cce_dist does not run under torch.func transforms (vmap, grad, jacrev, ...): {name} is a "
+                "transform's wrapped tensor. Flatten the batch into the token dimension instead (hidden [B*N, D], "
+                "targets [B*N], reduction='none', then reshape the per-token results to [B, N]); for gradients "
+                "call backward() or torch.autograd.grad outside the transform"
+            )
+
+
 def check_head(
     hidden: Any, weight: Any, bias: Any, shard: VocabShard | None, *, prefix: str = "", ref: Any = None
 ) -> None:
@@ -72,6 +91,7 @@ def check_head(
 
     ``ref``: ``(name, tensor)`` whose device every tensor must share (default: this head's hidden)."""
     h, w, b = (prefix + name for name in ("hidden", "weight", "bias"))
+    check_plain_tensors((h, hidden), (w, weight), (b, bias))
     for name, t in ((h, hidden), (w, weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -111,6 +131,7 @@ def check_targets(targets: Any, hidden: Tensor, shard: VocabShard | None, *, hid
     """``targets [...]``: an integer tensor on ``hidden``'s device of :func:`token_shape`; raises naming it."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    check_plain_tensors(("targets", targets))
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor of class ids, got dtype {targets.dtype}")
     if targets.device != hidden.device:
@@ -197,7 +218,7 @@ def shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
 def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The dtype of the logits GEMM: autocast's when autocast is on for hidden's device, else the weight's."""
     dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):  # "meta" has no autocast
         return torch.get_autocast_dtype(dev)
     return weight.dtype
 
@@ -251,6 +272,7 @@ def check_class_weight(class_weight: Any, hidden: Any, weight: Any, opts: CrossE
         )
     if not isinstance(class_weight, Tensor):
         raise TypeError(f"class_weight must be a torch.Tensor [V] or None, got {type(class_weight).__name__}")
+    check_plain_tensors(("class_weight", class_weight))
     if not class_weight.is_floating_point():
         raise TypeError(f"class_weight must be a floating point tensor, got {class_weight.dtype}")
     if class_weight.dim() != 1:
