@@ -1,7 +1,7 @@
-"""Count the README's Reliability figures by running the suites that hold them up.
+"""Count the Reliability figures of docs/reliability.md by running the suites that hold them up.
 
     python -m benchmarks.reliability_counts                       # CI sizes: fuzz, faults, numerics
-    CCE_FUZZ_EXAMPLES=10000 python -m benchmarks.reliability_counts --suites fuzz   # long fuzzing
+    CCE_FUZZ_EXAMPLES=10000 python -m benchmarks.reliability_counts --suites fuzz -- -k sharded   # long fuzzing
 
 Runs ``pytest`` in this process on ``tests/test_fuzz.py`` and ``tests/test_fuzz_distill.py`` (the
 ``fuzz`` suite), ``tests/test_faults.py`` and
@@ -21,26 +21,39 @@ and counts from what actually ran, never from constants alone:
   ``--timeout=`` is passed), the failures (a hang is a failure: the spawn deadline of
   ``tests/dist_utils.py`` turns it into a ``TimeoutError``), and the whole run's wall time.
 
-Writes ``benchmarks/results/reliability_counts[_<tag>].json`` and ``.md`` (tag: ``long<N>`` in long
-mode) with the machine, versions and commit, and prints the markdown. Exit status: pytest's.
+Each suite has one result file, ``benchmarks/results/reliability_<suite>.json`` and its ``.md``
+(regenerated from the JSON): one entry per run tag, with the command, commit, date, counts, test
+outcomes, wall times, machine and versions. A run replaces the entry of its tag. The tag names what
+was run: ``ci`` or ``long<N>`` (``CCE_FUZZ_EXAMPLES=N``), plus the ``-k`` selection; ``--tag``
+overrides it. Prints the markdown of each suite written. Exit status: pytest's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.common import REPO, close_env, env_info, md_table, write_results
+from benchmarks.common import REPO, RESULTS, close_env, env_info, env_markdown, md_table
 
 SUITES = {
     "fuzz": ["tests/test_fuzz.py", "tests/test_fuzz_distill.py"],
     "faults": ["tests/test_faults.py"],
     "numerics": ["tests/test_numerics.py"],
+}
+# the keys of _count's result that belong to each suite's entry
+_SUITE_COUNTS = {
+    "fuzz": ("fuzz_cases_by_family", "fuzz_cases", "fuzz_examples_per_property"),
+    "faults": ("faults_by_kind", "faults_injected"),
+    "numerics": ("nonfinite_single_process_cases",),
 }
 
 
@@ -101,53 +114,136 @@ def _count(rec: _Recorder) -> dict:
         counts["nonfinite_single_process_cases"] = {
             impl: sum(f"-{impl}]" in n for n in items) for impl in ("torch", "triton")
         }
-    counts["tests"] = {o: sum(v == o for v in rec.outcomes.values()) for o in ("passed", "failed", "skipped")}
-    counts["hangs"] = sum("did not finish within" in f for f in rec.failures.values())
     counts["failures"] = rec.failures
     return counts
 
 
-def _markdown(payload: dict) -> str:
-    c, env = payload["counts"], payload["env"]
-    rows = []
-    if "fuzz_cases" in c:
-        fam = ", ".join(f"{k} {v}" for k, v in c["fuzz_cases_by_family"].items())
-        rows.append(("cases fuzzed against the oracle", f"{c['fuzz_cases']} ({fam})"))
-    if "faults_injected" in c:
-        kinds = ", ".join(f"{v} {k}" for k, v in c["faults_by_kind"].items())
-        rows.append(("faults injected on a process group", f"{c['faults_injected']} ({kinds})"))
-    if "nonfinite_single_process_cases" in c:
-        nf = c["nonfinite_single_process_cases"]
-        total = sum(nf.values())
-        rows.append(("non-finite single-process input cases", f"{total} (torch {nf['torch']}, triton {nf['triton']})"))
-    rows.append(
-        ("tests passed / failed / skipped", " / ".join(str(c["tests"][k]) for k in ("passed", "failed", "skipped")))
-    )
-    rows.append(("hangs", c["hangs"]))
-    rows.append(("wall time of the whole run", f"{env['run_wall_s']} s"))
-    md = [f"# Reliability counts ({payload['command']})", "", md_table(["figure", "count"], rows), ""]
-    slow = sorted(payload["durations_s"].items(), key=lambda kv: -kv[1])[:8]
-    md += ["Slowest tests (s):", "", md_table(["test", "s"], slow), ""]
-    for nodeid, text in c["failures"].items():
-        md += [f"## FAILED {nodeid}", "", "```", text, "```", ""]
-    md += [
-        "Environment:",
-        "",
-        f"- fuzz examples per property: {c.get('fuzz_examples_per_property')}",
-        f"- CCE_SLOW: {os.environ.get('CCE_SLOW', '')!r}",
-    ]
-    from benchmarks.common import env_markdown
+def default_tag(examples: str, pytest_args: list[str]) -> str:
+    """``ci`` or ``long<N>``, plus the ``-k`` expression as a slug: what was run, not when."""
+    tag = f"long{examples}" if examples else "ci"
+    for i, arg in enumerate(pytest_args):
+        if arg == "-k" and i + 1 < len(pytest_args):
+            expr = pytest_args[i + 1]
+        elif arg.startswith("-k") and len(arg) > 2:
+            expr = arg[2:]
+        else:
+            continue
+        tag += "_" + re.sub(r"[^a-z0-9]+", "_", expr.lower()).strip("_")
+    return tag
 
-    md.append(env_markdown(env))
-    return "\n".join(md)
+
+def _suite_of(nodeid: str) -> str | None:
+    path = nodeid.split("::", 1)[0]
+    return next((s for s, paths in SUITES.items() if path in paths), None)
+
+
+def suite_entries(payload: dict, tag: str, note: str = "") -> dict[str, dict]:
+    """One entry per suite that ran, from a run's payload (command, exit_status, counts, outcomes,
+    durations_s, env)."""
+    entries = {}
+    counts, env = payload["counts"], payload["env"]
+    for suite in SUITES:
+        outcomes = {n: o for n, o in payload["outcomes"].items() if _suite_of(n) == suite}
+        if not outcomes:
+            continue
+        failures = {n: t for n, t in counts["failures"].items() if n in outcomes}
+        durations = {n: s for n, s in payload["durations_s"].items() if n in outcomes}
+        entries[suite] = {
+            "tag": tag,
+            "command": payload["command"],
+            "commit": env["git_commit"],
+            "date": env["date"],
+            "counts": {k: counts[k] for k in _SUITE_COUNTS[suite] if k in counts},
+            "tests": {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")},
+            "hangs": sum("did not finish within" in t for t in failures.values()),
+            "suite_wall_s": round(sum(durations.values()), 1),
+            "run_wall_s": env.get("run_wall_s"),
+            "exit_status": payload["exit_status"],
+            "note": note,
+            "outcomes": outcomes,
+            "durations_s": durations,
+            "failures": failures,
+            "env": env,
+        }
+    return entries
+
+
+def record(suite: str, entry: dict, results: Path = RESULTS) -> dict:
+    """Write ``entry`` into ``results/reliability_<suite>.json`` (replacing the entry of its tag) and
+    regenerate ``.md`` from the JSON; returns the suite's document."""
+    path = results / f"reliability_{suite}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"suite": suite, "tests": SUITES[suite], "runs": []}
+    runs = [r for r in doc["runs"] if r["tag"] != entry["tag"]] + [entry]
+    doc["runs"] = sorted(runs, key=lambda r: (r["date"], r["tag"]))
+    results.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    path.with_suffix(".md").write_text(markdown(doc))
+    return doc
+
+
+def _counted(suite: str, c: dict) -> str:
+    if suite == "fuzz" and "fuzz_cases" in c:
+        return f"{c['fuzz_cases']} ({', '.join(f'{k} {v}' for k, v in c['fuzz_cases_by_family'].items())})"
+    if suite == "faults" and "faults_injected" in c:
+        return f"{c['faults_injected']} ({', '.join(f'{v} {k}' for k, v in c['faults_by_kind'].items())})"
+    if suite == "numerics" and "nonfinite_single_process_cases" in c:
+        nf = c["nonfinite_single_process_cases"]
+        return f"{sum(nf.values())} (torch {nf['torch']}, triton {nf['triton']})"
+    return "-"
+
+
+_COUNTED = {
+    "fuzz": "cases fuzzed against the oracle and right, by family",
+    "faults": "faults injected on a process group, by kind",
+    "numerics": "non-finite single-process input cases",
+}
+
+
+def markdown(doc: dict) -> str:
+    suite = doc["suite"]
+    md = [
+        f"# Reliability runs: {suite} ({', '.join(f'`{t}`' for t in doc['tests'])})",
+        "",
+        f"Generated from `reliability_{suite}.json` by `python -m benchmarks.reliability_counts`: one entry",
+        "per run tag (what was run), a newer run of a tag replacing the older. Wall time: the suite's",
+        "tests / the whole run.",
+        "",
+    ]
+    rows = [
+        (
+            f"`{r['tag']}`",
+            f"`{r['command']}`",
+            r["commit"],
+            r["date"][:10],
+            _counted(suite, r["counts"]),
+            " / ".join(str(r["tests"][k]) for k in ("passed", "failed", "skipped")),
+            f"{r['suite_wall_s']} / {r['run_wall_s']} s",
+        )
+        for r in doc["runs"]
+    ]
+    md += [md_table(["tag", "command", "commit", "date", _COUNTED[suite], "passed / failed / skipped", "wall"], rows)]
+    for r in doc["runs"]:
+        md += ["", f"## {r['tag']}", ""]
+        if r.get("note"):
+            md += [r["note"], ""]
+        if "fuzz_examples_per_property" in r["counts"]:
+            md.append(f"- fuzz examples per property: {r['counts']['fuzz_examples_per_property']}")
+        md.append(f"- hangs: {r['hangs']}; exit status {r['exit_status']}; CCE_SLOW: {r['env'].get('cce_slow', '')!r}")
+        md.append(env_markdown(r["env"]).rstrip("\n"))
+        slow = sorted(r["durations_s"].items(), key=lambda kv: -kv[1])[:5]
+        md += ["", "Slowest tests (s):", "", md_table(["test", "s"], slow)]
+        for nodeid, text in r["failures"].items():
+            md += ["", f"FAILED `{nodeid}`:", "", "```", "\n".join(text.splitlines()[-25:]), "```"]
+    return "\n".join(md) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument(
         "--suites", default="fuzz,faults,numerics", help=f"comma-separated, of {sorted(SUITES)} (default: all three)"
     )
-    ap.add_argument("--tag", default=None, help="result file suffix (default: long<N> in long mode, else none)")
+    ap.add_argument("--tag", default=None, help="the entry's tag (default: ci or long<N>, plus the -k selection)")
+    ap.add_argument("--note", default="", help="a line recorded with the entry (e.g. what a rerun follows)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k torch")
     args = ap.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
@@ -155,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown suite(s) {bad}; choose from {sorted(SUITES)}")
     long = os.environ.get("CCE_FUZZ_EXAMPLES", "")
-    tag = args.tag if args.tag is not None else (f"long{long}" if long else "")
+    tag = args.tag if args.tag is not None else default_tag(long, args.pytest_args)
     command = " ".join(
         filter(
             None,
@@ -163,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"CCE_FUZZ_EXAMPLES={long}" if long else "",
                 "python -m benchmarks.reliability_counts",
                 f"--suites {','.join(suites)}",
-                " ".join(args.pytest_args) and "-- " + " ".join(args.pytest_args),
+                f"--tag {args.tag}" if args.tag is not None else "",
+                "-- " + shlex.join(args.pytest_args) if args.pytest_args else "",
             ],
         )
     )
     started = time.perf_counter()
-    env = env_info()
+    env = env_info(cce_slow=os.environ.get("CCE_SLOW", ""))
     rec = _Recorder()
     os.chdir(REPO)
     extra = list(args.pytest_args)
@@ -185,10 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "durations_s": {k: round(v, 2) for k, v in rec.durations.items()},
         "env": close_env(env, started),
     }
-    name = "reliability_counts" + (f"_{tag}" if tag else "")
-    md = _markdown(payload)
-    write_results(name, payload, md)
-    print(md)
+    for suite, entry in suite_entries(payload, tag, args.note).items():
+        print(markdown(record(suite, entry)))
     return int(rc)
 
 
