@@ -66,6 +66,8 @@ __all__ = [
 
 def _functorch_wrapped(t: Any) -> bool:
     """Whether ``t`` is a ``torch.func`` transform's wrapper (``vmap``'s batched tensor, ``grad``'s tracking one)."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the query; a traced call holds fake tensors, not wrappers
+        return False
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return isinstance(t, torch.Tensor) and wrapped is not None and bool(wrapped(t))
 
