@@ -1,8 +1,9 @@
 """Public entry points of the one-head losses: each call runs the driver (:mod:`cce_dist.driver`: validate,
 handshake, plan), then its autograd Function.
 
-Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`, shared with the
-compiled path (:mod:`cce_dist.compile`).
+Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`. Under
+``torch.compile`` the same steps run (the driver's validation and plan, traced), and only the autograd Function is
+replaced by the custom ops of :mod:`cce_dist.compile`: every check of the eager path holds there by construction.
 
 Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer global ids).
 Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first dimension:
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from . import stats as S
+from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
 from .class_weight import ClassWeights
@@ -41,20 +43,53 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
+@torch.compiler.assume_constant_result
+def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
+    """The name of :func:`cce_dist.prepare.resolve_backend`'s implementation, called, not traced, under torch.compile:
+    it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot trace) and the
+    environment, constants of the process."""
+    return resolve_backend(impl, device, hidden_dim).NAME
+
+
+def _backend_named(name: str) -> Backend:
+    if name == torch_impl.NAME:
+        return torch_impl
+    from . import kernels
+
+    return kernels
+
+
 def _call(
-    form: str, hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions, extra, class_weight=None
+    form: str,
+    hidden,
+    weight,
+    targets,
+    bias,
+    opts: CrossEntropyOptions | LogprobOptions,
+    extra,
+    class_weight=None,
+    *,
+    compiling: bool = False,
 ) -> Call:
-    """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's)."""
+    """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's).
+
+    ``compiling``: under torch.compile the target ids are checked inside the custom ops when they run (reading them
+    to the host here would break the graph)."""
     needs = stats_needed(opts.row_outputs)
     smoothing = isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)
 
     def prepare() -> Prepared:
         if isinstance(opts, CrossEntropyOptions):
             check_class_weight(class_weight, hidden, weight, opts)
-        return prepare_rows(hidden, weight, targets, bias, opts, check_ids=True)
+        return prepare_rows(hidden, weight, targets, bias, opts, check_ids=not compiling)
 
     def resolve(rows: Prepared) -> Backend:
-        backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
+        if compiling:
+            # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
+            empty = bool(hidden.shape[-1] == 0)
+            backend = _backend_named(_resolved_name(opts.impl, hidden.device, 0 if empty else 1))
+        else:
+            backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
         check_row_stats_support(backend, needs, opts.row_outputs)
         return backend
 
@@ -83,15 +118,24 @@ def _class_weight_values(class_weight, rows: Prepared | None) -> tuple[tuple[str
     return (("class_weight's values (checksum)", None if rows is None else values_checksum(class_weight)),)
 
 
-def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: CrossEntropyOptions | LogprobOptions):
-    """``result``, or ``(result, RowOutputs)`` when ``opts.row_outputs`` asks for any."""
-    if not opts.row_outputs:
-        return result
+def _plan(call: Call) -> tuple[Prepared, Plan]:
+    """The driver's validation and plan (:func:`cce_dist.driver.plan_call`), then what the one-head losses check
+    against the vocabulary every rank agreed on: eager and compiled calls alike, before the loss is computed."""
+    rows, plan = plan_call(call)
+    opts = call.opts
+    assert isinstance(opts, (CrossEntropyOptions, LogprobOptions))
     if stats_needed(opts.row_outputs)["need_argmax"] and plan.vocab_size > S.MAX_EXACT_ID:
         raise ValueError(
             f"row_outputs 'predicted' / 'is_top1' need a vocabulary below 2**24 ids (float32 statistics), got "
             f"{plan.vocab_size}"
         )
+    return rows, plan
+
+
+def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: CrossEntropyOptions | LogprobOptions):
+    """``result``, or ``(result, RowOutputs)`` when ``opts.row_outputs`` asks for any."""
+    if not opts.row_outputs:
+        return result
     valid = rows.targets != opts.ignore_index
     return result, row_outputs(
         stats, rows.targets, valid, opts.row_outputs, vocab_size=plan.vocab_size, shape=rows.shape
@@ -108,11 +152,13 @@ def _integrations(hidden, weight, targets, bias, opts):
 
 
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
-    if torch.compiler.is_compiling():
-        from .compile import compiled_cross_entropy
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        from . import compile as C
 
-        return compiled_cross_entropy(hidden, weight, targets, bias, opts, class_weight)
-    hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
+        C.check_compilable(hidden, weight, targets, bias, opts)
+    else:
+        hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
     fused = (
         opts.reduction != "none"
@@ -128,10 +174,14 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         ("grad_in_forward (in effect)", fused),
         ("class_weight's length", None if not isinstance(class_weight, torch.Tensor) else class_weight.numel()),
     )
-    rows, plan = plan_call(_call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight))
+    call = _call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight, compiling=compiling)
+    rows, plan = _plan(call)
+    check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
+    if compiling:
+        result, stats = C.compiled_cross_entropy(rows, weight, bias, class_weight, plan, opts)
+        return _with_row_outputs(result, stats, rows, plan, opts)
     cw = None
     if class_weight is not None:
-        check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
         valid = rows.targets != opts.ignore_index
         cw = ClassWeights.of(
             class_weight,
@@ -151,13 +201,17 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
-    if torch.compiler.is_compiling():
-        from .compile import compiled_logprobs
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        from . import compile as C
 
-        return compiled_logprobs(hidden, weight, targets, bias, opts)
-    hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
+        C.check_compilable(hidden, weight, targets, bias, opts)
+    else:
+        hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
-    rows, plan = plan_call(_call("logprobs", hidden, weight, targets, bias, opts, extra))
+    rows, plan = _plan(_call("logprobs", hidden, weight, targets, bias, opts, extra, compiling=compiling))
+    if compiling:
+        return _with_row_outputs(*C.compiled_logprobs(rows, weight, bias, plan, opts), rows, plan, opts)
     lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
 
@@ -338,7 +392,22 @@ def linear_cross_entropy(
         gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
-    opts = CrossEntropyOptions.from_keywords(locals())
+    opts = CrossEntropyOptions.from_keywords(
+        ignore_index=ignore_index,
+        shard=shard,
+        impl=impl,
+        chunk_size=chunk_size,
+        deterministic=deterministic,
+        softcap=softcap,
+        shift=shift,
+        filter_eps=filter_eps,
+        row_outputs=row_outputs,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        return_lse=return_lse,
+        grad_in_forward=grad_in_forward,
+    )
     return _cross_entropy(hidden, weight, targets, bias, opts, class_weight)
 
 
@@ -458,7 +527,19 @@ def linear_logprobs(
         ``row_outputs``: ``(that, RowOutputs)``. Differentiable
         once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
-    opts = LogprobOptions.from_keywords(locals())
+    opts = LogprobOptions.from_keywords(
+        ignore_index=ignore_index,
+        shard=shard,
+        impl=impl,
+        chunk_size=chunk_size,
+        deterministic=deterministic,
+        softcap=softcap,
+        shift=shift,
+        filter_eps=filter_eps,
+        row_outputs=row_outputs,
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
     return _logprobs(hidden, weight, targets, bias, opts)
 
 

@@ -15,14 +15,17 @@ scalar op arguments. Shifting the targets, flattening and the ``mean``/``sum`` r
 plain torch ops around them, so ``torch.compile(fullgraph=True)`` of a model that calls the loss
 traces without a graph break and gives the eager numbers.
 
-Inside the ops the eager implementations run (the torch implementation on CPU, the Triton one for
-CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
+Everything before the ops is the eager path's own (:mod:`cce_dist.api` runs the driver's validation and plan,
+:func:`cce_dist.driver.plan_call`, at trace time), so each eager check holds under compile; a refused call raises
+while Dynamo traces it (under ``fullgraph=True`` torch reports it as an "Observed exception" graph break that names
+the error). Inside the ops the implementation the driver resolved runs (the torch implementation on CPU, the Triton
+one for CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 
 - ``shard`` (tensor parallelism) and DTensor inputs raise ``NotImplementedError``: run the
   vocab-parallel loss outside the compiled region (``torch.compiler.disable``) instead.
 - ``grad_in_forward`` is ignored (the backward recomputes the logits from the saved lse).
 - targets of any integer dtype are converted to int64 ids before the ops (as eager does); ids out
-  of range raise when the op runs, not at trace time.
+  of range raise (eager's check) when the op runs, not at trace time, on the shifted ids.
 - second-order gradients are not supported: run eagerly (``backend="eager"``) the backward raises
   the library's error for ``create_graph=True``; behind AOTAutograd (``aot_eager``, ``inductor``)
   torch raises "torch.compile with aot_autograd does not currently support double backward" when
@@ -31,46 +34,35 @@ CUDA tensors with ``impl="auto"``/``"triton"``), on one device. Under compile:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
 from . import formulas
 from . import stats as S
-from .autograd import needed_input_grads, refuse_second_order
+from .autograd import Plan, needed_input_grads, refuse_second_order
 from .class_weight import ClassWeights, gamma_weights, row_weights, sum_column
 from .options import CrossEntropyOptions, LogprobOptions
-from .outputs import check_row_outputs, row_outputs, stats_needed
+from .outputs import RowOutput, stats_needed
 from .prepare import (
     Prepared,
     backend_kwargs,
-    check_class_weight,
-    check_row_stats_support,
+    check_target_range,
     cross_entropy_result,
     is_dtensor,
     logprob_result,
-    prepare_rows,
     resolve_backend,
     resolve_filter_eps,
     to_dtype,
-    valid_id_range,
 )
 
-__all__ = ["compiled_cross_entropy", "compiled_logprobs"]
+__all__ = ["check_compilable", "compiled_cross_entropy", "compiled_logprobs"]
 
 
 # ----------------------------------------------------------------------------------------------
 # eager bodies of the ops (run on real tensors; free to use Python control flow)
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_targets(targets: Tensor, ignore_index: int, vocab_size: int) -> None:
-    """The ids must be in ``[0, vocab_size)`` or equal ``ignore_index`` (checked when the op runs)."""
-    ids = valid_id_range(targets, ignore_index)
-    if ids is not None and (ids[0] < 0 or ids[1] >= vocab_size):
-        raise ValueError(
-            f"targets must be in [0, {vocab_size}) or equal ignore_index ({ignore_index}); got ids in "
-            f"[{ids[0]}, {ids[1]}]"
-        )
 
 
 def _stats(
@@ -88,11 +80,12 @@ def _stats(
     need_sum,
     row_outputs: str,
 ):
-    """The row statistics; ``row_outputs``: the op argument (the names joined by commas) whose columns to form."""
+    """The row statistics; ``row_outputs``: the op argument (the names joined by commas) whose columns to form.
+
+    ``impl``: the implementation the driver resolved at trace time ("torch" / "triton"), which validated the
+    options and the row outputs against it."""
     backend = resolve_backend(impl, hidden.device, hidden.shape[-1])
-    names = check_row_outputs(tuple(n for n in row_outputs.split(",") if n))
-    needs = stats_needed(names)
-    check_row_stats_support(backend, needs, names)
+    needs = stats_needed(cast("tuple[RowOutput, ...]", tuple(n for n in row_outputs.split(",") if n)))
     kw = backend_kwargs(
         backend,
         chunk_size=chunk_size,
@@ -206,7 +199,7 @@ def _ce_rows(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
     vocab = weight.shape[0]
-    _check_targets(targets, ignore_index, vocab)
+    check_target_range(targets, ignore_index, vocab)  # eager's check, when the op runs (a host read)
     valid = targets != ignore_index
     cw = _class_weights(class_weight, targets, valid, vocab, label_smoothing)
     stats = _stats(
@@ -390,7 +383,7 @@ def _logprob_rows(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     del filter_eps, deterministic  # backward-only options
-    _check_targets(targets, ignore_index, weight.shape[0])
+    check_target_range(targets, ignore_index, weight.shape[0])  # eager's check, when the op runs (a host read)
     stats = _stats(
         hidden,
         weight,
@@ -503,7 +496,9 @@ _logprob_rows.register_autograd(_lp_backward, setup_context=_lp_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 
-def _unsupported(hidden, weight, targets, bias, opts) -> None:
+def check_compilable(hidden, weight, targets, bias, opts: CrossEntropyOptions | LogprobOptions) -> None:
+    """What the compiled path does not support (one device only, no DTensor), refused before the driver runs: the
+    rest of the validation is the eager path's own (:func:`cce_dist.driver.plan_call`, traced)."""
     if opts.shard is not None:
         raise NotImplementedError(
             "cce_dist under torch.compile supports one device only (shard=None); call the vocab-parallel loss "
@@ -517,33 +512,22 @@ def _unsupported(hidden, weight, targets, bias, opts) -> None:
             )
 
 
-def _prepare(hidden, weight, targets, bias, opts) -> tuple[Prepared, tuple[float | None, bool]]:
-    """The shared preparation (ids checked inside the ops) and the backward-only op arguments."""
-    _unsupported(hidden, weight, targets, bias, opts)
-    rows = prepare_rows(hidden, weight, targets, bias, opts, check_ids=False)
+def _backward_options(rows: Prepared, opts: CrossEntropyOptions | LogprobOptions) -> tuple[float | None, bool]:
+    """The backward-only op arguments: the resolved filtering threshold and the requested determinism."""
     fe = resolve_filter_eps(opts, rows.compute_dtype)
-    return rows, (None if fe is None else float(fe), bool(opts.deterministic))
-
-
-def _with_row_outputs(result, stats: Tensor, rows: Prepared, opts, vocab_size: int):
-    """``result``, or ``(result, RowOutputs)`` as eager returns them (traceable torch ops on the op's statistics)."""
-    if not opts.row_outputs:
-        return result
-    valid = rows.targets != opts.ignore_index
-    return result, row_outputs(stats, rows.targets, valid, opts.row_outputs, vocab_size=vocab_size, shape=rows.shape)
+    return None if fe is None else float(fe), bool(opts.deterministic)
 
 
 def compiled_cross_entropy(
-    hidden: Tensor,
+    rows: Prepared,
     weight: Tensor,
-    targets: Tensor,
     bias: Tensor | None,
+    class_weight: Tensor | None,
+    plan: Plan,
     opts: CrossEntropyOptions,
-    class_weight: Tensor | None = None,
-):
-    """:func:`cce_dist.linear_cross_entropy` as traceable ops (called by the API under compile)."""
-    check_class_weight(class_weight, hidden, weight, opts)
-    rows, extra = _prepare(hidden, weight, targets, bias, opts)
+) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
+    """The cross-entropy (reduced, with the lse where asked) and the statistics, as traceable ops, from the rows and
+    plan the driver made (called by the API under compile, after the eager path's validation)."""
     loss_rows, lse, _, stats = torch.ops.cce_dist.ce_rows(
         rows.hidden,
         weight,
@@ -555,21 +539,22 @@ def compiled_cross_entropy(
         float(opts.label_smoothing),
         float(opts.z_loss) if class_weight is None else 0.0,  # class weights: added from the lse (eager's rule)
         opts.softcap,
-        opts.impl,
+        plan.backend.NAME,
         opts.chunk_size,
         ",".join(opts.row_outputs),
-        *extra,
+        *_backward_options(rows, opts),
     )
     w_t = None
     if class_weight is not None:
         w_t = row_weights(class_weight.detach(), rows.targets, rows.targets != opts.ignore_index)
-    result = cross_entropy_result(loss_rows, lse, rows, opts, w_t)
-    return _with_row_outputs(result, stats, rows, opts, weight.shape[0])
+    return cross_entropy_result(loss_rows, lse, rows, opts, w_t), stats
 
 
-def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, opts: LogprobOptions):
-    """:func:`cce_dist.linear_logprobs` as traceable ops (called by the API under compile)."""
-    rows, extra = _prepare(hidden, weight, targets, bias, opts)
+def compiled_logprobs(
+    rows: Prepared, weight: Tensor, bias: Tensor | None, plan: Plan, opts: LogprobOptions
+) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
+    """The logprobs (and entropies where asked) and the statistics, as traceable ops (as
+    :func:`compiled_cross_entropy`)."""
     lp, ent, stats = torch.ops.cce_dist.logprob_rows(
         rows.hidden,
         weight,
@@ -580,9 +565,9 @@ def compiled_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Ten
         opts.softcap,
         float(opts.temperature),
         bool(opts.return_entropy),
-        opts.impl,
+        plan.backend.NAME,
         opts.chunk_size,
         ",".join(opts.row_outputs),
-        *extra,
+        *_backward_options(rows, opts),
     )
-    return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, opts, weight.shape[0])
+    return logprob_result(lp, ent, rows, opts), stats

@@ -198,8 +198,31 @@ def linear_distillation(
         float32 loss: a scalar for ``mean``/``sum``, ``student_hidden.shape[:-1]`` for ``none``.
         Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias`` only, each
         in its own dtype.
+
+    Not under ``torch.compile``: it raises NotImplementedError there (no custom op traces it yet); call it outside
+    the compiled region, e.g. behind ``torch.compiler.disable``.
     """
-    opts = DistillationOptions.from_keywords(locals())
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "cce_dist.linear_distillation does not support torch.compile yet (its chunked eager loops and their "
+            "host reads cannot be traced): call it outside the compiled region, e.g. "
+            "torch.compiler.disable(cce_dist.linear_distillation)(...) inside the compiled model"
+        )
+    opts = DistillationOptions.from_keywords(
+        ignore_index=ignore_index,
+        shard=shard,
+        impl=impl,
+        chunk_size=chunk_size,
+        deterministic=deterministic,
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+        scale_by_temperature_squared=scale_by_temperature_squared,
+        hard_label_weight=hard_label_weight,
+        reduction=reduction,
+        softcap=softcap,
+        grad_in_forward=grad_in_forward,
+    )
     return _distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -209,10 +208,17 @@ class LossOptions:
     FIELD_NAMES: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_keywords(cls, keywords: Mapping[str, Any]):
-        """The options from an entry point's keywords (its ``locals()``): every field by its name, so the entry point
-        forwards no hand-written list (tests/test_signatures.py checks that its keywords are exactly the fields)."""
-        return cls(**{name: keywords[name] for name in cls.FIELD_NAMES})
+    def from_keywords(cls, **keywords: Any):
+        """The options from an entry point's keywords, each passed as ``name=name``: exactly the fields, or a
+        TypeError naming the missing / unknown ones, so an entry point cannot leave a field at its default by
+        forgetting it (tests/test_signatures.py checks that its keywords are the fields, and
+        tests/test_compile_regressions.py that it passes each under its own name). Not ``locals()``: Dynamo of
+        torch 2.10 / 2.11 cannot trace it."""
+        if len(keywords) != len(cls.FIELD_NAMES) or any(name not in keywords for name in cls.FIELD_NAMES):
+            missing = [name for name in cls.FIELD_NAMES if name not in keywords]
+            unknown = [name for name in keywords if name not in cls.FIELD_NAMES]
+            raise TypeError(f"{cls.__name__}.from_keywords: missing {missing}, unknown {unknown}")
+        return cls(**keywords)
 
 
 @dataclass(frozen=True)

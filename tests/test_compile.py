@@ -234,7 +234,7 @@ def test_opcheck(with_bias, with_class_weight):
 
 def test_op_rejects_out_of_range_targets():
     h, w, b, t = _op_args()
-    with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
+    with pytest.raises(ValueError, match=r"targets contain id 11, outside the vocabulary \[0, 11\)"):
         torch.ops.cce_dist.ce_rows(
             h,
             w,

@@ -93,11 +93,7 @@ def test_uint8_id_equal_to_wrapped_ignore_index_is_rejected_under_compile():
     torch._dynamo.reset()
     h, w, b, t = _uint8_out_of_range()
     fn = torch.compile(_library(), fullgraph=True, backend="aot_eager")
-    with pytest.raises(
-        ValueError,
-        match=r"targets must be in \[0, 100\) or equal ignore_index \(-100\); got ids in "
-        r"\[\d+, 156\]",
-    ):
+    with pytest.raises(ValueError, match=r"targets contain id 156, outside the vocabulary \[0, 100\)"):
         fn(h, w, b, t)
 
 
