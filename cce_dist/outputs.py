@@ -31,6 +31,7 @@ class RowOutputs:
     """The requested row outputs, each of the targets' shape (None where not requested); not differentiable.
 
     predicted         int64: the predicted token, ``argmax_j z_j`` as a global id (the lowest id on a tie, as
+                      ``torch.argmax``; where the row has a NaN logit, the lowest id of a NaN, as
                       ``torch.argmax``); -1 at ignored positions (Liger's ``return_predicted_tokens``)
     is_top1           bool: the target is the predicted token; False at ignored positions. Token accuracy is
                       ``is_top1.sum() / (targets != ignore_index).sum()``
@@ -82,7 +83,7 @@ def row_outputs(
     [N]`` and ``valid bool [N]``, reshaped to ``shape``."""
     out: dict[str, torch.Tensor] = {}
     if "predicted" in names or "is_top1" in names:
-        predicted = stats[:, S.ARGMAX].to(torch.int64)
+        predicted = S.predicted(stats)  # never INT64_MIN from casting a non-finite ARGMAX
         predicted = torch.where(valid, predicted, torch.full_like(predicted, -1))
         if "predicted" in names:
             out["predicted"] = predicted.reshape(shape)

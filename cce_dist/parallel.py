@@ -406,13 +406,17 @@ def check_tiling(bounds: Sequence[tuple[int, int]]) -> int:
 
 
 _LOW = 0x7FFFFFFF  # the low 31 bits of a max-id key: 2**31 - 1 - id (a lower id gives a larger key)
+_NAN_BITS = 0x7FC00000  # the positive quiet NaN: as a signed int32 above +inf's 0x7F800000
 
 
 def max_id_key(m: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``int64 [n]`` keys whose maximum over ranks is the larger max and, on a tie, the lower id: the float32 max's
     bits, made monotone as a signed int32, in the high 32 bits; ``2**31 - 1 - id`` in the low ones (an id of +inf,
-    an empty slice's, gives 0: it never wins a tie). Exact (:func:`from_max_id_key` recovers both)."""
-    bits = (m.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 becomes +0.0, which it equals
+    an empty slice's, gives 0: it never wins a tie). Exact (:func:`from_max_id_key` recovers both). A NaN max (a
+    slice holding a NaN logit, :func:`cce_dist.stats.holds_max`) is one positive NaN, above +inf, whatever its sign
+    and payload: the NaN slices win, the lowest NaN id among them (``torch.argmax``'s rule)."""
+    m = m.float() + 0.0  # + 0.0: -0.0 becomes +0.0, which it equals
+    bits = torch.where(torch.isnan(m), _NAN_BITS, m.contiguous().view(torch.int32))
     ordered = torch.where(bits < 0, bits ^ _LOW, bits).to(torch.int64)
     finite = torch.isfinite(ids)
     low = torch.where(finite, _LOW - torch.where(finite, ids, 0.0).to(torch.int64), 0)

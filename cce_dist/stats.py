@@ -18,7 +18,8 @@ A statistics tensor is ``float32 [N, NUM_STATS]`` with columns:
 
 SUM, ENTROPY, ARGMAX and SUMSQ are formed only where an output needs them (0 otherwise). Combining two slices keeps
 the larger max and, on a tie, the lower id: ``torch.argmax``'s rule, whatever the order the slices (chunks, splits,
-ranks) come in.
+ranks) come in. A NaN logit is the maximum, as for ``torch.argmax``: a slice holding one has MAX NaN and ARGMAX the
+lowest id of a NaN (:func:`holds_max`).
 
 ``e`` is taken relative to the slice max (rather than ``sum exp(z - m) * z``) so it does not
 cancel catastrophically when logits are large; it rescales like ``s`` plus a shift term.
@@ -73,11 +74,28 @@ def rescale(stats: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def holds_max(m: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """Where a slice whose MAX is ``m`` holds the combined max ``new_max`` (broadcast): equal, or both NaN.
+
+    The argmax rule is ``torch.argmax``'s: a NaN logit counts as the maximum (the first NaN wins), otherwise the
+    largest value (the lowest id on a tie). A slice holding a NaN logit has MAX NaN and ARGMAX the lowest id of a
+    NaN; a combined max is NaN where any slice's is (``amax`` propagates it), and then only the NaN slices hold it.
+    """
+    return (m == new_max) | (torch.isnan(m) & torch.isnan(new_max))
+
+
 def argmax_of(stack: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     """The ARGMAX of ``[P, N, NUM_STATS]`` slices whose combined max is ``new_max [N]``: the lowest id among the
-    slices that hold the max."""
-    holds = stack[..., MAX] == new_max
+    slices that hold the max (:func:`holds_max`: a NaN max is held by the slices with a NaN)."""
+    holds = holds_max(stack[..., MAX], new_max)
     return torch.where(holds, stack[..., ARGMAX], torch.full_like(stack[..., ARGMAX], float("inf"))).amin(0)
+
+
+def predicted(stats: torch.Tensor) -> torch.Tensor:
+    """The ARGMAX column as ``int64 [N]`` global ids; -1 where it holds no id (+inf: no slice had a logit), never
+    the ``INT64_MIN`` a cast of a non-finite float gives."""
+    ids = stats[:, ARGMAX]
+    return torch.where(torch.isfinite(ids), ids, -1.0).to(torch.int64)
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

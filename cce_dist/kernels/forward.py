@@ -79,7 +79,8 @@ def _row_stats_kernel(
     NEED_SUM / NEED_ENTROPY (constexpr): accumulate the SUM (label smoothing) / ENTROPY columns;
     when False the column is written as 0 and its per-logit work (3-4 ops each) is not compiled in.
     NEED_ARGMAX / NEED_SUMSQ (constexpr): the row outputs' ARGMAX (the lowest global id of the max, as
-    float32; +inf when not needed or the slice is empty) and SUMSQ (sum exp(2 (z - m)); 0 when not needed).
+    float32; +inf when not needed or the slice is empty; a NaN logit is the max, as for torch.argmax: MAX is
+    then NaN and ARGMAX the first NaN's id) and SUMSQ (sum exp(2 (z - m)); 0 when not needed).
     The vocab is cut into ``tl.num_programs(1)`` splits of ``v_per_split`` rows, a multiple of
     BLOCK_V (so only the shard's last tile is ragged); program (pid_n, pid_s) covers
     [pid_s * v_per_split, min((pid_s + 1) * v_per_split, V)), possibly empty (then it writes the
@@ -102,7 +103,8 @@ def _row_stats_kernel(
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
     e = tl.zeros((BLOCK_N,), dtype=tl.float32)
     q = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    am = tl.zeros((BLOCK_N,), dtype=tl.int64) + (V + vocab_start)  # past every id: set by the first finite max
+    am = tl.zeros((BLOCK_N,), dtype=tl.int64) + (V + vocab_start)  # past every id: set by the split's first tile
+    nan_seen = tl.zeros((BLOCK_N,), dtype=tl.int1)  # NEED_ARGMAX: the row has a NaN logit (am is its first)
 
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -136,8 +138,16 @@ def _row_stats_kernel(
         new_m = tl.maximum(m, tile_m)
         if NEED_ARGMAX:  # the tile's lowest id of its max; tiles come in increasing ids, so a tie keeps the earlier
             lane = tl.arange(0, BLOCK_V)  # int32 lanes: half the registers of the int64 offsets
-            tile_arg = tl.min(tl.where(z_m == tile_m[:, None], lane[None, :], BLOCK_V), axis=1)
-            am = tl.where(tile_m > m, v0 + vocab_start + tile_arg, am)
+            # torch.argmax's rule (cce_dist.stats.holds_max): a NaN is the max, the first one wins (tl.max skips
+            # NaN). One reduction: a NaN lane's key is lane - BLOCK_V (< 0), a lane of the max its lane.
+            arg_key = tl.where(z_m == tile_m[:, None], lane[None, :], BLOCK_V)
+            tile_arg = tl.min(tl.where(z_m != z_m, lane[None, :] - BLOCK_V, arg_key), axis=1)
+            tile_nan = tile_arg < 0
+            tile_arg = tl.where(tile_nan, tile_arg + BLOCK_V, tile_arg)
+            # the first tile sets it even where its max is -inf (every logit masked: torch.argmax's first id)
+            take = ((tile_m > m) | tile_nan | (am == V + vocab_start)) & ~nan_seen
+            am = tl.where(take, v0 + vocab_start + tile_arg, am)
+            nan_seen = nan_seen | tile_nan
         # Re-express the running sums relative to new_m. m = -inf only before the first tile,
         # where s = e = 0: take scale = 0 and shift = 0 there (avoid 0 * inf = nan).
         first = m == float("-inf")
@@ -165,6 +175,8 @@ def _row_stats_kernel(
         x += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m = new_m
 
+    if NEED_ARGMAX:  # a row with a NaN logit: MAX NaN, ARGMAX its first NaN (what combine_stack merges)
+        m = tl.where(nan_seen, float("nan"), m)
     out = Out + pid_s.to(tl.int64) * stride_os + offs_n * stride_on
     tl.store(out + 0, m, mask=row_ok)
     tl.store(out + 1, s, mask=row_ok)
