@@ -131,11 +131,12 @@ class _Buffers:
 
 
 def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
-    """MAX and SUMEXP of ``z [V, n]`` into ``out [n, NUM_STATS]``; ``z -= max`` in place, ``e = exp(z)``.
+    """MAX and SUMEXP of ``z [V, n]`` into ``out [n, NUM_STATS]``; ``z -= max`` in place (0 for a row max of -inf:
+    :func:`cce_dist.stats.safe_max`), ``e = exp(z)``.
 
     Returns the row max (subtracted from ``z``)."""
     m = z.amax(0)
-    z.sub_(m)
+    z.sub_(S.safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, e = 0, not NaN
     torch.exp(z, out=e)
     out[:, S.MAX] = m
     out[:, S.SUMEXP] = e.sum(0)
@@ -203,7 +204,7 @@ def _statistics_pass(heads: Heads, buf: _Buffers, sl: slice, local: Tensor, grad
     cross = None
     if o.divergence == "kl":  # three blocks: zs, zt, pt
         m_s = zs.amax(0)
-        zs.sub_(m_s)
+        zs.sub_(S.safe_max(m_s))
         m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
         # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
         # 0 * -inf (selected, not multiplied)
@@ -285,7 +286,8 @@ def _forward_kl(st: _Pass, norms, reduce_rows, gs: Tensor | None, wg: Tensor | N
     local_rows = torch.empty(st.zs.shape[1], 1, dtype=torch.float32, device=st.zs.device)
     assert st.cross is not None  # the cross sum of the forward KL's statistics pass
     # sum p_t (log p_t - log p_s) = c_t * sum e_t (zt - zs) + (l_t - l_s) * c_t * s_t
-    local_rows[:, 0] = c_t * st.cross + (l_t - l_s) * (c_t * st.s_t)
+    # a shard without teacher mass (c_t = 0: e.g. every token masked, l_t = -inf) adds 0, never 0 * (-inf - l_s)
+    local_rows[:, 0] = torch.where(c_t == 0, 0.0, c_t * st.cross + (l_t - l_s) * (c_t * st.s_t))
     rows = reduce_rows(local_rows)
     if gs is None:
         return rows, None, None

@@ -51,6 +51,13 @@ def empty_stats(n: int, device: torch.device | str | None = None) -> torch.Tenso
     return out
 
 
+def safe_max(m: torch.Tensor) -> torch.Tensor:
+    """A slice's row max ``m``, or 0 where ``m = -inf`` (no finite logit: empty, or every token masked by a ``-inf``
+    bias): what its exponents are taken relative to, so that ``exp(z - safe_max(m))`` is ``exp(-inf) = 0`` there,
+    never ``exp(-inf - -inf) = NaN`` (flash attention's guard). The MAX column keeps ``-inf``."""
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
 def _safe_scale(m: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     """exp(m - new_max), with exp(-inf - -inf) taken as 0 (both slices empty)."""
     d = m - new_max

@@ -156,7 +156,7 @@ def _chunk_stats(
         out[:, S.ARGMAX] = z.argmax(0).float() + vocab_start
     m = z.amax(0)
     out[:, S.MAX] = m
-    z.sub_(m)
+    z.sub_(S.safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, not -inf - -inf = NaN
     if need_sumsq:  # sum_j exp(2 (z_j - m))
         out[:, S.SUMSQ] = torch.exp(2.0 * z).sum(0)
     if need_entropy:

@@ -148,18 +148,21 @@ def _row_stats_kernel(
             take = ((tile_m > m) | tile_nan | (am == V + vocab_start)) & ~nan_seen
             am = tl.where(take, v0 + vocab_start + tile_arg, am)
             nan_seen = nan_seen | tile_nan
-        # Re-express the running sums relative to new_m. m = -inf only before the first tile,
-        # where s = e = 0: take scale = 0 and shift = 0 there (avoid 0 * inf = nan).
+        # Re-express the running sums relative to new_m, or to 0 while the row has no finite logit (new_m = -inf: the
+        # tiles so far masked by a -inf bias): flash attention's safe max, one select per row, so no lane forms
+        # -inf - -inf = NaN. m = -inf (no finite logit yet) has s = e = 0: scale = exp(-inf) = 0, shift = 0 there
+        # (avoid 0 * inf = nan).
+        c = tl.where(new_m == float("-inf"), 0.0, new_m)
         first = m == float("-inf")
-        scale = tl.where(first, 0.0, tl.exp(m - new_m))
-        shift = tl.where(first, 0.0, m - new_m)
+        scale = tl.exp(m - c)
+        shift = tl.where(first, 0.0, m - c)
         if NEED_ENTROPY:
             e = (e + s * shift) * scale
         if NEED_SUMSQ:
             q = q * (scale * scale)
         s = s * scale
 
-        zc = z - new_m[:, None]
+        zc = z - c[:, None]  # exp(-inf - 0) = 0 in a row with no finite logit yet, never exp(-inf - -inf) = NaN
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         s += tl.sum(p, axis=1)
         if NEED_SUMSQ:
