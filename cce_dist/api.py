@@ -51,6 +51,12 @@ def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
     return resolve_backend(impl, device, hidden_dim).NAME
 
 
+def _through_ops(hidden) -> bool:
+    """Whether the call runs as the custom ops of :mod:`cce_dist.compile`: under torch.compile, and on the meta device,
+    where their fake implementations give the outputs' and the gradients' shapes without computing."""
+    return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
+
+
 def _backend_named(name: str) -> Backend:
     if name == torch_impl.NAME:
         return torch_impl
@@ -152,7 +158,7 @@ def _integrations(hidden, weight, targets, bias, opts):
 
 
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
-    compiling = torch.compiler.is_compiling()
+    compiling = _through_ops(hidden)
     if compiling:
         from . import compile as C
 
@@ -201,7 +207,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
-    compiling = torch.compiler.is_compiling()
+    compiling = _through_ops(hidden)
     if compiling:
         from . import compile as C
 

@@ -199,14 +199,20 @@ def linear_distillation(
         Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias`` only, each
         in its own dtype.
 
-    Not under ``torch.compile``: it raises NotImplementedError there (no custom op traces it yet); call it outside
-    the compiled region, e.g. behind ``torch.compiler.disable``.
+    Not under ``torch.compile`` nor on the meta device: it raises NotImplementedError there (no custom op traces it
+    yet); call it outside the compiled region, e.g. behind ``torch.compiler.disable``.
     """
     if torch.compiler.is_compiling():
         raise NotImplementedError(
             "cce_dist.linear_distillation does not support torch.compile yet (its chunked eager loops and their "
             "host reads cannot be traced): call it outside the compiled region, e.g. "
             "torch.compiler.disable(cce_dist.linear_distillation)(...) inside the compiled model"
+        )
+    if any(isinstance(t, Tensor) and t.device.type == "meta" for t in (student_hidden, teacher_hidden)):
+        raise NotImplementedError(
+            "cce_dist.linear_distillation has no meta-device implementation (linear_cross_entropy and "
+            "linear_logprobs have one): its result is a float32 scalar for reduction 'mean'/'sum' and "
+            "student_hidden.shape[:-1] for 'none'; run it on real tensors"
         )
     opts = DistillationOptions.from_keywords(
         ignore_index=ignore_index,

@@ -80,3 +80,43 @@ def test_the_suggested_alternative_gives_the_per_slice_losses():
     rows = linear_cross_entropy(h.reshape(B * N, D), w, t.reshape(B * N), reduction="none").reshape(B, N)
     want = torch.stack([oracle_cross_entropy(h[i].double(), w.double(), t[i], dtype=None) for i in range(B)])
     torch.testing.assert_close(rows.mean(dim=1).double(), want, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the meta device: the custom ops' fake implementations give the shapes (FSDP-style deferred init, shape checks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _meta(*shape, dtype=torch.float32, grad=False):
+    return torch.empty(*shape, device="meta", dtype=dtype).requires_grad_(grad)
+
+
+@pytest.mark.parametrize("reduction, shape", [("mean", ()), ("sum", ()), ("none", (B, N))])
+def test_cross_entropy_on_meta_gives_shapes_and_gradients(reduction, shape):
+    h, w = _meta(B, N, D, grad=True), _meta(V, D, grad=True)
+    t = torch.empty(B, N, device="meta", dtype=torch.long)
+    loss = linear_cross_entropy(h, w, t, reduction=reduction)
+    assert loss.device.type == "meta" and tuple(loss.shape) == shape and loss.dtype == torch.float32
+    loss.sum().backward()
+    assert h.grad is not None and h.grad.shape == h.shape and h.grad.device.type == "meta"
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_logprobs_and_row_outputs_on_meta():
+    h, w = _meta(B * N, D, dtype=torch.bfloat16), _meta(V, D, dtype=torch.bfloat16)
+    t = torch.empty(B * N, device="meta", dtype=torch.int32)
+    lp, ent = linear_logprobs(h, w, t, return_entropy=True)
+    assert lp.shape == ent.shape == (B * N,) and lp.dtype == torch.float32 and lp.device.type == "meta"
+    loss, ro = linear_cross_entropy(h, w, t, reduction="none", row_outputs=("predicted", "is_top1"))
+    assert loss.shape == (B * N,) and ro.predicted.shape == (B * N,) and ro.predicted.dtype == torch.int64
+
+
+def test_meta_inputs_are_validated_as_eager():
+    """The one validation runs on meta inputs too: a shape error names the argument."""
+    with pytest.raises(ValueError, match="targets must have shape"):
+        linear_cross_entropy(_meta(6, D), _meta(V, D), torch.empty(5, device="meta", dtype=torch.long))
+
+
+def test_distillation_on_meta_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="no meta-device implementation"):
+        linear_distillation(_meta(6, D), _meta(V, D), _meta(6, D + 2), _meta(V, D + 2), None)
