@@ -25,6 +25,7 @@ APIS: list[tuple[str, str, str]] = [
     ("torch.library.register_autograd", "torch/library.py", r"^def register_autograd\("),
     ("torch.compiler.is_compiling", "torch/compiler/__init__.py", r"^def is_compiling\("),
     ("torch.compiler.disable", "torch/compiler/__init__.py", r"^def disable\("),
+    ("torch.compiler.assume_constant_result", "torch/compiler/__init__.py", r"^def assume_constant_result\("),
     (
         "torch._guards.TracingContext",
         "torch/_guards.py",

@@ -293,7 +293,10 @@ def forward_candidates(
             FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
-    if heavy and props.mma in ("wgmma", "tcgen05"):
+    if heavy and props.mma == "wgmma":
+        # the NaN-aware per-tile argmax: a 64x128 tile over one warpgroup spills (~100 B), over two it does not
+        cands = [FwdConfig(64, 128, bd, num_warps=8, num_stages=3)]
+    elif heavy and props.mma == "tcgen05":
         cands = [c for c in cands if c.block_n * c.block_v <= 64 * 128]
     elif heavy:  # mma.sync: the accumulator in registers too; 8 warps over 64x64 (64x128 and 4-warp 64x64 spill)
         cands = [FwdConfig(64, 64, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3)]

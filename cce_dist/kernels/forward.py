@@ -19,12 +19,13 @@ import triton
 import triton.language as tl
 
 from cce_dist.runtime import device_guard
-from cce_dist.stats import NUM_STATS, SUM_SCALE, combine_stack, empty_stats
+from cce_dist.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack, empty_stats
 
 from . import config as _config
 from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
 
 _SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.stats)
+_FLOOR = tl.constexpr(-3.4028234663852886e38)  # the lowest finite float32: where the running max starts
 
 
 # Its logit_tile call passes logit_tile's parameters in order, as the backward's _dz_tile does (the comment inside
@@ -97,7 +98,10 @@ def _row_stats_kernel(
     v_lo = pid_s.to(tl.int64) * v_per_split
     v_hi = tl.minimum(v_lo + v_per_split, V)
 
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    # The running max starts at the lowest finite float, not -inf (flash attention's safe max, without a select): a
+    # tile masked by a -inf bias, or a whole masked shard, forms exp(-inf - FLOOR) = 0, never exp(-inf - -inf) = NaN.
+    # A row with no finite logit keeps m = FLOOR and s = 0; row_stats stores its MAX as -inf.
+    m = tl.full((BLOCK_N,), _FLOOR, dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -148,21 +152,18 @@ def _row_stats_kernel(
             take = ((tile_m > m) | tile_nan | (am == V + vocab_start)) & ~nan_seen
             am = tl.where(take, v0 + vocab_start + tile_arg, am)
             nan_seen = nan_seen | tile_nan
-        # Re-express the running sums relative to new_m, or to 0 while the row has no finite logit (new_m = -inf: the
-        # tiles so far masked by a -inf bias): flash attention's safe max, one select per row, so no lane forms
-        # -inf - -inf = NaN. m = -inf (no finite logit yet) has s = e = 0: scale = exp(-inf) = 0, shift = 0 there
-        # (avoid 0 * inf = nan).
-        c = tl.where(new_m == float("-inf"), 0.0, new_m)
-        first = m == float("-inf")
-        scale = tl.exp(m - c)
-        shift = tl.where(first, 0.0, m - c)
+        # Re-express the running sums relative to new_m. m = FLOOR (no finite logit yet) has s = e = q = 0: take
+        # scale = 0 and shift = 0 there.
+        first = m == _FLOOR
+        scale = tl.where(first, 0.0, tl.exp(m - new_m))
+        shift = tl.where(first, 0.0, m - new_m)
         if NEED_ENTROPY:
             e = (e + s * shift) * scale
         if NEED_SUMSQ:
             q = q * (scale * scale)
         s = s * scale
 
-        zc = z - c[:, None]  # exp(-inf - 0) = 0 in a row with no finite logit yet, never exp(-inf - -inf) = NaN
+        zc = z - new_m[:, None]  # new_m >= FLOOR: a -inf logit gives exp(-inf) = 0, never exp(-inf - -inf) = NaN
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         s += tl.sum(p, axis=1)
         if NEED_SUMSQ:
@@ -420,4 +421,9 @@ def row_stats(
             _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
                 *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
             )
-    return combine_stack(out[:splits])
+    stack = out[:splits]
+    # A slice with no finite logit (every id masked by a -inf bias, or an empty split) kept the kernel's floor as its
+    # max: store the merge's identity, -inf (SUMEXP is exactly 0 only there: a finite max contributes exp(0) = 1).
+    # Here, not in the kernel: one select after the loop costs the sm_90 configs 16 B of spills (tests/test_aot_compile).
+    stack[..., MAX].masked_fill_(stack[..., SUMEXP] == 0, float("-inf"))
+    return combine_stack(stack)
