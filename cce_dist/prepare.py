@@ -220,7 +220,10 @@ def shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
 def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The dtype of the logits GEMM: autocast's when autocast is on for hidden's device, else the weight's."""
     dev = hidden.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):  # "meta" has no autocast
+    # "meta" has no autocast (is_autocast_enabled raises there). Dynamo of torch 2.10 / 2.11 cannot trace
+    # torch.amp.is_autocast_available (a C builtin), and a compiled call never runs on meta: ask by name there.
+    available = dev != "meta" if torch.compiler.is_compiling() else torch.amp.is_autocast_available(dev)
+    if available and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return weight.dtype
 
