@@ -424,6 +424,6 @@ def row_stats(
     stack = out[:splits]
     # A slice with no finite logit (every id masked by a -inf bias, or an empty split) kept the kernel's floor as its
     # max: store the merge's identity, -inf (SUMEXP is exactly 0 only there: a finite max contributes exp(0) = 1).
-    # Here, not in the kernel: one select after the loop costs the sm_90 configs 16 B of spills (tests/test_aot_compile).
+    # Here, not in the kernel: one select after the loop cost the sm_90 configs 16 B of spills (test_aot_compile).
     stack[..., MAX].masked_fill_(stack[..., SUMEXP] == 0, float("-inf"))
     return combine_stack(stack)
