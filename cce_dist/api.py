@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from . import stats as S
-from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
 from .class_weight import ClassWeights
@@ -57,14 +56,6 @@ def _through_ops(hidden) -> bool:
     return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
 
 
-def _backend_named(name: str) -> Backend:
-    if name == torch_impl.NAME:
-        return torch_impl
-    from . import kernels
-
-    return kernels
-
-
 def _call(
     form: str,
     hidden,
@@ -90,14 +81,17 @@ def _call(
         return prepare_rows(hidden, weight, targets, bias, opts, check_ids=not compiling)
 
     def resolve(rows: Prepared) -> Backend:
-        if compiling:
-            # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
-            empty = bool(hidden.shape[-1] == 0)
-            backend = _backend_named(_resolved_name(opts.impl, hidden.device, 0 if empty else 1))
-        else:
+        if not compiling:
             backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
+            check_row_stats_support(backend, needs, opts.row_outputs)
+            return backend
+        from . import compile as C
+
+        # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
+        empty = bool(hidden.shape[-1] == 0)
+        backend = C.implementation(_resolved_name(opts.impl, hidden.device, 0 if empty else 1))
         check_row_stats_support(backend, needs, opts.row_outputs)
-        return backend
+        return C.OpsBackend(backend, ignore_index=opts.ignore_index)
 
     return Call(
         form=form,
@@ -183,9 +177,6 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     call = _call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight, compiling=compiling)
     rows, plan = _plan(call)
     check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
-    if compiling:
-        result, stats = C.compiled_cross_entropy(rows, weight, bias, class_weight, plan, opts)
-        return _with_row_outputs(result, stats, rows, plan, opts)
     cw = None
     if class_weight is not None:
         valid = rows.targets != opts.ignore_index
@@ -202,6 +193,8 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     # with class weights the z-loss is added from the returned lse (cross_entropy_result)
     rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
     loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, rows_opts, cw)
+    if compiling:
+        loss_rows, lse = C.first_order(loss_rows, lse)
     result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else cw.rows)
     return _with_row_outputs(result, stats, rows, plan, opts)
 
@@ -216,9 +209,9 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     rows, plan = _plan(_call("logprobs", hidden, weight, targets, bias, opts, extra, compiling=compiling))
-    if compiling:
-        return _with_row_outputs(*C.compiled_logprobs(rows, weight, bias, plan, opts), rows, plan, opts)
     lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    if compiling:
+        lp, ent = C.first_order(lp, ent)
     return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
 
 

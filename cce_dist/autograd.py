@@ -14,6 +14,7 @@ outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class Plan(Generic[B]):
 
 
 def _no_autocast(device: torch.device):
+    if not torch.amp.is_autocast_available(device.type):  # "meta" has no autocast
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 
