@@ -2,8 +2,9 @@
 handshake, plan), then its autograd Function.
 
 Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`. Under
-``torch.compile`` the same steps run (the driver's validation and plan, traced), and only the autograd Function is
-replaced by the custom ops of :mod:`cce_dist.compile`: every check of the eager path holds there by construction.
+``torch.compile`` (and on the meta device) the same steps run, traced: the driver, the autograd Function and the
+reduction; only the plan's backend differs, the custom ops of :mod:`cce_dist.compile` running the implementation the
+driver resolved. Every check and formula of the eager path holds there by construction.
 
 Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer global ids).
 Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first dimension:
@@ -18,6 +19,7 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
+from . import compile as C
 from . import stats as S
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
@@ -42,16 +44,8 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
-@torch.compiler.assume_constant_result
-def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
-    """The name of :func:`cce_dist.prepare.resolve_backend`'s implementation, called, not traced, under torch.compile:
-    it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot trace) and the
-    environment, constants of the process."""
-    return resolve_backend(impl, device, hidden_dim).NAME
-
-
 def _through_ops(hidden) -> bool:
-    """Whether the call runs as the custom ops of :mod:`cce_dist.compile`: under torch.compile, and on the meta device,
+    """Whether the call's backend is :mod:`cce_dist.compile`'s custom ops: under torch.compile, and on the meta device,
     where their fake implementations give the outputs' and the gradients' shapes without computing."""
     return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
 
@@ -70,8 +64,8 @@ def _call(
 ) -> Call:
     """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's).
 
-    ``compiling``: under torch.compile the target ids are checked inside the custom ops when they run (reading them
-    to the host here would break the graph)."""
+    ``compiling``: the backend is the custom ops (:func:`_through_ops`), which check the target ids when they run
+    (reading them to the host here would break the graph)."""
     needs = stats_needed(opts.row_outputs)
     smoothing = isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)
 
@@ -81,17 +75,12 @@ def _call(
         return prepare_rows(hidden, weight, targets, bias, opts, check_ids=not compiling)
 
     def resolve(rows: Prepared) -> Backend:
-        if not compiling:
+        if compiling:
+            backend: Backend = C.ops_backend(opts.impl, hidden, opts.ignore_index)
+        else:
             backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
-            check_row_stats_support(backend, needs, opts.row_outputs)
-            return backend
-        from . import compile as C
-
-        # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
-        empty = bool(hidden.shape[-1] == 0)
-        backend = C.implementation(_resolved_name(opts.impl, hidden.device, 0 if empty else 1))
         check_row_stats_support(backend, needs, opts.row_outputs)
-        return C.OpsBackend(backend, ignore_index=opts.ignore_index)
+        return backend
 
     return Call(
         form=form,
@@ -154,8 +143,6 @@ def _integrations(hidden, weight, targets, bias, opts):
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
     compiling = _through_ops(hidden)
     if compiling:
-        from . import compile as C
-
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
@@ -202,8 +189,6 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     compiling = _through_ops(hidden)
     if compiling:
-        from . import compile as C
-
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)

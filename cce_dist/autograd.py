@@ -106,7 +106,7 @@ def refuse_second_order() -> None:
 
 def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     """Whether hidden, weight and bias (when there is one) need a gradient: the first three inputs of every
-    Function and custom op here."""
+    Function here."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     return bool(need_h), bool(need_w), bool(need_b and bias is not None)
 

@@ -37,9 +37,9 @@ from . import torch_impl
 from .autograd import refuse_second_order
 from .backend import Backend
 from .options import CrossEntropyOptions, LogprobOptions
-from .prepare import backend_kwargs, check_target_range, is_dtensor
+from .prepare import backend_kwargs, check_target_range, is_dtensor, resolve_backend
 
-__all__ = ["OpsBackend", "check_compilable", "first_order", "implementation"]
+__all__ = ["OpsBackend", "check_compilable", "first_order", "implementation", "ops_backend"]
 
 
 def implementation(name: str) -> Backend:
@@ -49,6 +49,22 @@ def implementation(name: str) -> Backend:
     from . import kernels
 
     return kernels
+
+
+@torch.compiler.assume_constant_result
+def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
+    """The name of :func:`cce_dist.prepare.resolve_backend`'s implementation, called, not traced, under torch.compile:
+    it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot trace) and the
+    environment, constants of the process."""
+    return resolve_backend(impl, device, hidden_dim).NAME
+
+
+def ops_backend(impl: str, hidden: Tensor, ignore_index: int) -> OpsBackend:
+    """The :class:`OpsBackend` of the implementation ``impl=`` resolves to for ``hidden`` (the driver's ``resolve``
+    under torch.compile and on the meta device)."""
+    # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
+    empty = bool(hidden.shape[-1] == 0)
+    return OpsBackend(implementation(_resolved_name(impl, hidden.device, 0 if empty else 1)), ignore_index=ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------
