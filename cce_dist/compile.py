@@ -1,28 +1,24 @@
 """torch.compile support: the backend's two primitives as ``torch.library`` custom ops.
 
 Under ``torch.compiler.is_compiling()`` (and on the meta device) :func:`cce_dist.linear_cross_entropy` and
-:func:`cce_dist.linear_logprobs` run their eager path itself: the driver's validation and plan
-(:func:`cce_dist.driver.plan_call`), the autograd Functions of :mod:`cce_dist.autograd` (``CrossEntropyRows``,
-``LogprobRows``) with the formulas of :mod:`cce_dist.formulas`, and the same reduction. Dynamo traces all of it; the
-one difference is the plan's backend, an :class:`OpsBackend`, whose primitives (:class:`cce_dist.backend.Backend`) are
-two opaque ops instead of the implementation's chunked Python loops (data-dependent control flow, ``.item()``):
+:func:`cce_dist.linear_logprobs` run their eager path, traced by Dynamo: the driver, the autograd Functions
+(``CrossEntropyRows``, ``LogprobRows``), :mod:`cce_dist.formulas`, the reduction. Only the plan's backend differs, an
+:class:`OpsBackend` whose :class:`~cce_dist.backend.Backend` primitives are opaque ops (fake implementations give the
+shapes) running the implementation the driver resolved (its name is an op argument):
 
 ``cce_dist::row_stats(hidden, weight, bias, targets, *, ...) -> stats float32 [N, NUM_STATS]``
 ``cce_dist::grads(hidden, weight, bias, targets, lse, coef, gamma_weights, *, ...) -> (d_hidden, d_weight, d_bias)``
 
-Their options are scalar op arguments, among them the name of the implementation the driver resolved (the torch one
-on CPU, the Triton one for CUDA tensors with ``impl="auto"`` / ``"triton"``), which their bodies run. Their fake
-implementations give the shapes (the meta device, and tracing). They are primitives without an autograd formula:
-every loss formula, class-weight term and precaution exists once, in the Functions and the formulas. Under compile:
+No formula lives here. Under compile:
 
-- ``shard`` (tensor parallelism) and DTensor inputs raise ``NotImplementedError``: run the vocab-parallel loss
-  outside the compiled region (``torch.compiler.disable``) instead.
-- ``grad_in_forward`` is ignored (the fused schedule is no primitive: the backward recomputes the logits).
+- ``shard`` and DTensor inputs raise ``NotImplementedError`` (one device only): call the vocab-parallel loss outside
+  the compiled region (``torch.compiler.disable``).
+- ``grad_in_forward`` is ignored (the fused schedule is no primitive).
 - the target ids are checked (eager's :func:`~cce_dist.prepare.check_target_range`) inside ``row_stats`` when it
-  runs, not at trace time, where reading them would break the graph.
-- second-order gradients raise: run eagerly (``backend="eager"``) the Functions' backward refuses ``create_graph=True``
-  with the library's error; behind AOTAutograd (``aot_eager``, ``inductor``) torch raises "torch.compile with
-  aot_autograd does not currently support double backward".
+  runs: reading them at trace time would break the graph.
+- ``create_graph=True`` raises: Dynamo traces the Functions' backward without grad mode, so ``cce_dist::first_order``
+  (an identity on their outputs) applies their rule at run time (``backend="eager"``); behind AOTAutograd torch
+  raises "torch.compile with aot_autograd does not currently support double backward".
 """
 
 from __future__ import annotations
