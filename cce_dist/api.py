@@ -19,7 +19,6 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from . import compile as C
 from . import stats as S
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
@@ -76,6 +75,8 @@ def _call(
 
     def resolve(rows: Prepared) -> Backend:
         if compiling:
+            from . import compile as C
+
             backend: Backend = C.ops_backend(opts.impl, hidden, opts.ignore_index)
         else:
             backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
@@ -143,6 +144,8 @@ def _integrations(hidden, weight, targets, bias, opts):
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
     compiling = _through_ops(hidden)
     if compiling:
+        from . import compile as C
+
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
@@ -189,6 +192,8 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     compiling = _through_ops(hidden)
     if compiling:
+        from . import compile as C
+
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
