@@ -98,8 +98,7 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
         assert rows is not None
         if shard is not None and shard.start != 0:
             raise ValueError(f"a single-rank VocabShard must start at 0, got start={shard.start}")
-        # a plain int under torch.compile too (a recompile per vocabulary size): Dynamo (2.13) cannot lift a symbolic
-        # size that only the Functions' backward reads into it ("... does not belong to this Graph")
+        # an int under torch.compile too: Dynamo cannot lift a symbolic size only a Function's backward reads
         v_local = operator.index(call.weight.shape[0])
         layout = Layout(
             vocab_size=v_local if shard is None else shard.stop, n_tokens=rows.targets.numel(), max_local=v_local

@@ -178,3 +178,22 @@ def test_compile_module_defines_no_loss_formula():
     assert not modules & {"formulas", "class_weight", "outputs"}, imported
     assert ("autograd", "refuse_second_order") in imported
     assert {name for m, name in imported if m == "autograd"} == {"refuse_second_order"}
+
+
+def test_dynamic_shapes_and_a_new_vocabulary():
+    """dynamic=True: the token count stays symbolic, the vocabulary size is specialized (the driver's int; Dynamo
+    cannot lift a symbolic size that only the backward reads), so a new vocabulary recompiles and stays exact."""
+    torch._dynamo.reset()
+
+    def loss(h, w, t, bias=None):
+        return _ce(h, w, t, bias=bias, label_smoothing=0.1, reduction="none")
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=True)
+    g = torch.Generator().manual_seed(5)
+    for n, v in ((6, 29), (9, 29), (7, 31)):
+        h, w = torch.randn(n, D, generator=g), torch.randn(v, D, generator=g)
+        t = torch.randint(0, v, (n,), generator=g)
+        got, got_g = _run(compiled, h, w, None, t)
+        want, want_g = _run(loss, h, w, None, t)
+        for x, y in zip(got + got_g, want + want_g):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
