@@ -2,8 +2,9 @@
 handshake, plan), then its autograd Function.
 
 Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`. Under
-``torch.compile`` the same steps run (the driver's validation and plan, traced), and only the autograd Function is
-replaced by the custom ops of :mod:`cce_dist.compile`: every check of the eager path holds there by construction.
+``torch.compile`` (and on the meta device) the same steps run, traced: the driver, the autograd Function and the
+reduction; only the plan's backend differs, the custom ops of :mod:`cce_dist.compile` running the implementation the
+driver resolved. Every check and formula of the eager path holds there by construction.
 
 Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer global ids).
 Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first dimension:
@@ -19,7 +20,6 @@ import torch
 from torch import nn
 
 from . import stats as S
-from . import torch_impl
 from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .backend import Backend
 from .class_weight import ClassWeights
@@ -43,26 +43,10 @@ from .prepare import (
 Tensor = torch.Tensor
 
 
-@torch.compiler.assume_constant_result
-def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
-    """The name of :func:`cce_dist.prepare.resolve_backend`'s implementation, called, not traced, under torch.compile:
-    it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot trace) and the
-    environment, constants of the process."""
-    return resolve_backend(impl, device, hidden_dim).NAME
-
-
 def _through_ops(hidden) -> bool:
-    """Whether the call runs as the custom ops of :mod:`cce_dist.compile`: under torch.compile, and on the meta device,
+    """Whether the call's backend is :mod:`cce_dist.compile`'s custom ops: under torch.compile, and on the meta device,
     where their fake implementations give the outputs' and the gradients' shapes without computing."""
     return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
-
-
-def _backend_named(name: str) -> Backend:
-    if name == torch_impl.NAME:
-        return torch_impl
-    from . import kernels
-
-    return kernels
 
 
 def _call(
@@ -79,8 +63,8 @@ def _call(
 ) -> Call:
     """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's).
 
-    ``compiling``: under torch.compile the target ids are checked inside the custom ops when they run (reading them
-    to the host here would break the graph)."""
+    ``compiling``: the backend is the custom ops (:func:`_through_ops`), which check the target ids when they run
+    (reading them to the host here would break the graph)."""
     needs = stats_needed(opts.row_outputs)
     smoothing = isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)
 
@@ -91,9 +75,9 @@ def _call(
 
     def resolve(rows: Prepared) -> Backend:
         if compiling:
-            # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
-            empty = bool(hidden.shape[-1] == 0)
-            backend = _backend_named(_resolved_name(opts.impl, hidden.device, 0 if empty else 1))
+            from . import compile as C
+
+            backend: Backend = C.ops_backend(opts.impl, hidden, opts.ignore_index)
         else:
             backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
         check_row_stats_support(backend, needs, opts.row_outputs)
@@ -183,9 +167,6 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     call = _call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight, compiling=compiling)
     rows, plan = _plan(call)
     check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
-    if compiling:
-        result, stats = C.compiled_cross_entropy(rows, weight, bias, class_weight, plan, opts)
-        return _with_row_outputs(result, stats, rows, plan, opts)
     cw = None
     if class_weight is not None:
         valid = rows.targets != opts.ignore_index
@@ -202,6 +183,8 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     # with class weights the z-loss is added from the returned lse (cross_entropy_result)
     rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
     loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, rows_opts, cw)
+    if compiling:
+        loss_rows, lse = C.first_order(loss_rows, lse)
     result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else cw.rows)
     return _with_row_outputs(result, stats, rows, plan, opts)
 
@@ -216,9 +199,9 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     rows, plan = _plan(_call("logprobs", hidden, weight, targets, bias, opts, extra, compiling=compiling))
-    if compiling:
-        return _with_row_outputs(*C.compiled_logprobs(rows, weight, bias, plan, opts), rows, plan, opts)
     lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    if compiling:
+        lp, ent = C.first_order(lp, ent)
     return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
 
 

@@ -14,6 +14,7 @@ outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class Plan(Generic[B]):
 
 
 def _no_autocast(device: torch.device):
+    if not torch.amp.is_autocast_available(device.type):  # "meta" has no autocast
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 
@@ -103,7 +106,7 @@ def refuse_second_order() -> None:
 
 def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
     """Whether hidden, weight and bias (when there is one) need a gradient: the first three inputs of every
-    Function and custom op here."""
+    Function here."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     return bool(need_h), bool(need_w), bool(need_b and bias is not None)
 

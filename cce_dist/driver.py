@@ -18,6 +18,7 @@ its options, how to validate and flatten its tensors, which implementation to re
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -97,7 +98,8 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
         assert rows is not None
         if shard is not None and shard.start != 0:
             raise ValueError(f"a single-rank VocabShard must start at 0, got start={shard.start}")
-        v_local = call.weight.shape[0]
+        # an int under torch.compile too: Dynamo cannot lift a symbolic size only a Function's backward reads
+        v_local = operator.index(call.weight.shape[0])
         layout = Layout(
             vocab_size=v_local if shard is None else shard.stop, n_tokens=rows.targets.numel(), max_local=v_local
         )

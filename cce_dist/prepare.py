@@ -9,7 +9,7 @@ Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer
 ``hidden.shape[0] * P == targets.shape[0]``.
 
 Nothing here touches autograd or process groups: :mod:`cce_dist.api` runs the handshake and the autograd
-Functions, :mod:`cce_dist.compile` the custom ops.
+Functions, :mod:`cce_dist.compile` the backend's primitives as custom ops.
 """
 
 from __future__ import annotations

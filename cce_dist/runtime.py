@@ -64,10 +64,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
+@torch.compiler.assume_constant_result
 def f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`mm_f32` runs one GEMM with a float32 result for ``dtype`` operands on ``device``: bf16 / fp16 on
     CUDA where the build has ``out_dtype`` (probed on first use, then cached); never elsewhere (the CPU build: the
-    operands are upcast, which gives the same values)."""
+    operands are upcast, which gives the same values). A constant of the process: under torch.compile (the class
+    weights' logit sum, traced) it is called, not traced (the probe reads its result back)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     key = (device, dtype)

@@ -8,9 +8,9 @@ Every path is one way of calling the library whose gradients come from a differe
 ``return_lse``            scalar loss plus the differentiable lse
 ``logprobs`` / ``entropy``  the RL form, per-token upstream gradients on logprob (and entropy)
 
-Each is run with the ``torch`` and the ``triton`` (interpreter) implementation, under ``torch.compile`` (the custom
-ops of cce_dist/compile.py) and on a 2-rank gloo tensor-parallel group, and checked against the materialized program
-(tests/oracle.py) computed in float64:
+Each is run with the ``torch`` and the ``triton`` (interpreter) implementation, under ``torch.compile`` (the same
+Functions, traced, with cce_dist/compile.py's custom ops as their backend) and on a 2-rank gloo tensor-parallel
+group, and checked against the materialized program (tests/oracle.py) computed in float64:
 
 - second-order gradients (``create_graph=True``, e.g. a gradient penalty) raise a clear error naming the feature and
   the alternative, instead of returning a gradient that silently lacks its second-order term;
@@ -124,10 +124,11 @@ def test_second_order_gradients_raise(path, impl):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_second_order_gradients_raise_under_compile(backend):
-    """The compiled custom ops (cce_dist/compile.py): run eagerly (backend="eager") their backward refuses
-    create_graph=True with the library's error; behind AOTAutograd (aot_eager, inductor) the compiled backward runs
-    without grad mode, and torch's own error ("does not currently support double backward") is raised as soon as
-    the second-order graph is differentiated, so the penalty never silently loses its term either way."""
+    """Compiled (cce_dist/compile.py): run eagerly (backend="eager") the backward refuses create_graph=True with the
+    library's error (cce_dist::first_order: Dynamo traces the Functions' backward without grad mode); behind
+    AOTAutograd (aot_eager, inductor) the compiled backward runs without grad mode, and torch's own error ("does not
+    currently support double backward") is raised as soon as the second-order graph is differentiated, so the
+    penalty never silently loses its term either way."""
     torch._dynamo.reset()
     h, w, b, t = _problem(requires_grad=True)
 

@@ -97,7 +97,7 @@ def test_custom_ops_in_graph_and_shard_refused():
     torch.testing.assert_close(f(h, w, t), cce_dist.linear_cross_entropy(h, w, t, impl="torch"))
     assert counter.frame_count == 1
     targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
-    assert any("cce_dist.ce_rows" in s for s in targets), targets
+    assert any("cce_dist.row_stats" in s for s in targets), targets
     # a new token count recompiles once with dynamic shapes (the fake impls are shape-generic)
     h2, t2 = torch.randn(9, 8), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -100])
     torch.testing.assert_close(f(h2, w, t2), cce_dist.linear_cross_entropy(h2, w, t2, impl="torch"))
@@ -142,113 +142,90 @@ def test_dynamic_compile_with_options_as_arguments():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-#: every row output: the ops' row_outputs argument (the names joined by commas)
-ROWS = "predicted,is_top1,log_sum_sq_probs,mean_logit"
-
-
 def _op_args():
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(5, 8, generator=g, requires_grad=True)
-    w = torch.randn(11, 8, generator=g, requires_grad=True)
-    b = torch.randn(11, generator=g, requires_grad=True)
+    h = torch.randn(5, 8, generator=g)
+    w = torch.randn(11, 8, generator=g)
+    b = torch.randn(11, generator=g)
     t = torch.tensor([1, 2, -100, 10, 0])
     return h, w, b, t
 
 
+def _stats_options(impl="torch", **changes):
+    kw = dict(
+        vocab_start=0,
+        softcap=2.0,
+        temperature=0.5,
+        impl=impl,
+        ignore_index=-100,
+        chunk_size=16,  # several vocab chunks
+        need_entropy=True,
+        need_sum=True,
+        need_argmax=True,
+        need_sumsq=True,
+    )
+    return {**kw, **changes}
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("with_class_weight", [False, True])
-def test_opcheck(with_bias, with_class_weight):
+@pytest.mark.parametrize("with_gamma_weights", [False, True])
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
+def test_opcheck(with_bias, with_gamma_weights, needs):
+    """The two primitives: schema, fake implementation (shapes and dtypes), no aliasing, dynamic shapes."""
     h, w, b, t = _op_args()
     b = b if with_bias else None
-    cw = torch.rand(w.shape[0]) + 0.5 if with_class_weight else None
-    chunk = 16  # several vocab chunks
     ops = torch.ops.cce_dist
-    rows = ROWS if not with_class_weight else "predicted,is_top1,log_sum_sq_probs"  # mean_logit reads SUM
+    torch.library.opcheck(ops.row_stats.default, (h, w, b, t), _stats_options())
+    stats = ops.row_stats(h, w, b, t, **_stats_options())
+    lse = stats[:, 0] + stats[:, 1].log()
+    coef = torch.rand(5, 4)
+    gw = torch.rand(w.shape[0]) + 0.5 if with_gamma_weights else None
+    need_h, need_w, need_b = needs
     torch.library.opcheck(
-        ops.ce_rows.default, (h, w, b, t, cw, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, rows, None, False)
-    )
-    torch.library.opcheck(
-        ops.logprob_rows.default,
-        (h, w, b, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, ROWS, None, False),
-    )
-    hd, wd = h.detach(), w.detach()
-    bd = None if b is None else b.detach()
-    _, lse, residual, _ = ops.ce_rows(
-        hd, wd, bd, t, cw, torch.float32, -100, 0.1, 1e-3, 2.0, "torch", chunk, "", None, False
-    )
-    g = torch.rand(5)
-    torch.library.opcheck(
-        ops.ce_rows_backward.default,
-        (
-            hd,
-            wd,
-            bd,
-            t,
-            cw,
-            lse,
-            residual,
-            g,
-            g,
-            torch.float32,
-            -100,
-            0.1,
-            1e-3,
-            2.0,
-            "torch",
-            chunk,
-            "",
-            None,
-            False,
-            True,
-            True,
-            with_bias,
+        ops.grads.default,
+        (h, w, b, t, lse, coef, gw),
+        dict(
+            vocab_start=0,
+            softcap=2.0,
+            temperature=0.5,
+            impl="torch",
+            need_hidden=need_h,
+            need_weight=need_w,
+            need_bias=need_b,
+            chunk_size=16,
+            filter_eps=None,
+            deterministic=False,
         ),
     )
-    _, _, stats = ops.logprob_rows(hd, wd, bd, t, torch.float32, -100, 2.0, 0.5, True, "torch", chunk, "", None, False)
-    torch.library.opcheck(
-        ops.logprob_rows_backward.default,
-        (
-            hd,
-            wd,
-            bd,
-            t,
-            stats,
-            g,
-            g,
-            torch.float32,
-            -100,
-            2.0,
-            0.5,
-            True,
-            "torch",
-            chunk,
-            "",
-            None,
-            False,
-            True,
-            False,
-            with_bias,
-        ),
-    )
+
+
+def test_ops_are_the_backend_primitives():
+    """The ops are exactly the two primitives of the backend protocol (no loss formula, no autograd formula) and the
+    identity whose backward refuses second-order gradients; the primitives give the implementation's own numbers, bit
+    for bit."""
+    from cce_dist import torch_impl
+    from cce_dist.backend import Backend
+    from cce_dist.compile import OpsBackend
+
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("cce_dist::"))
+    assert names == ["cce_dist::first_order", "cce_dist::grads", "cce_dist::row_stats"], names
+    ops = OpsBackend(torch_impl, ignore_index=-100)
+    assert isinstance(ops, Backend)
+    h, w, b, t = _op_args()
+    kw = dict(vocab_start=0, softcap=2.0, temperature=0.5, chunk_size=16)
+    got = ops.row_stats(h, w, b, t, **kw, need_argmax=True)
+    want = torch_impl.row_stats(h, w, b, t, **kw, need_argmax=True)
+    assert torch.equal(got, want)
+    lse, coef = got[:, 0] + got[:, 1].log(), torch.rand(5, 4)
+    gkw = dict(kw, need_hidden=True, need_weight=False, need_bias=True)
+    for x, y in zip(ops.grads(h, w, b, t, lse, coef, **gkw), torch_impl.grads(h, w, b, t, lse, coef, **gkw)):
+        assert (x is None and y is None) or torch.equal(x, y)
 
 
 def test_op_rejects_out_of_range_targets():
     h, w, b, t = _op_args()
     with pytest.raises(ValueError, match=r"targets contain id 11, outside the vocabulary \[0, 11\)"):
-        torch.ops.cce_dist.ce_rows(
-            h,
-            w,
-            b,
-            torch.tensor([0, 1, 2, 3, 11]),
-            None,
-            torch.float32,
-            -100,
-            0.0,
-            0.0,
-            None,
-            "torch",
-            16,
-            "",
-            None,
-            False,
-        )
+        torch.ops.cce_dist.row_stats(h, w, b, torch.tensor([0, 1, 2, 3, 11]), **_stats_options())
+    with pytest.raises(ValueError, match=r"targets contain id -1"):
+        torch.ops.cce_dist.row_stats(h, w, b, torch.tensor([0, 1, -1, 3, 4]), **_stats_options())
+    torch.ops.cce_dist.row_stats(h, w, b, torch.tensor([0, 1, -100, 3, 10]), **_stats_options())  # in range

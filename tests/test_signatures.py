@@ -4,7 +4,7 @@ removing or reordering a parameter on one side only fails here.
 
 What is derived instead needs no test: ``cce_dist.kernels.row_stats`` / ``grads`` are the kernels' own functions
 (a module ``__getattr__``), ``LinearCrossEntropy(**options)`` passes its keywords to ``CrossEntropyOptions``, and
-compile.py's ``_stats`` / ``_grads`` take their options by keyword.
+compile.py's custom ops take their options by keyword.
 """
 
 from __future__ import annotations
@@ -312,32 +312,42 @@ def test_every_loss_runs_the_driver():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# compile.py's custom ops
+# compile.py's custom ops: the protocol's two primitives
 # ---------------------------------------------------------------------------------------------------------------
 
-NEEDS = ["need_hidden", "need_weight", "need_bias"]
+#: what an op takes beyond the protocol's parameters and the implementations' options
+OP_EXTRA = {"row_stats": {"impl", "ignore_index"}, "grads": {"impl"}}
 
 
 def _schema(op: str):
-    """``[(name, type)]`` of the registered op's arguments (read from its annotated signature)."""
+    """``[(name, kwarg_only)]`` of the registered op's arguments (read from its annotated signature)."""
     import torch
 
-    return [(a.name, str(a.type)) for a in getattr(torch.ops.cce_dist, op).default._schema.arguments]
+    return [(a.name, a.kwarg_only) for a in getattr(torch.ops.cce_dist, op).default._schema.arguments]
 
 
-@pytest.mark.parametrize(
-    "forward, tensors, saved",
-    [
-        ("ce_rows", 5, ["lse", "lse_residual", "g_loss", "g_lse"]),  # hidden, weight, bias, targets, class_weight
-        ("logprob_rows", 4, ["stats", "g_lp", "g_ent"]),
-    ],
-)
-def test_compile_backward_op_takes_forward_ops_arguments(forward, tensors, saved):
-    """A backward op: the forward op's tensors, the saved outputs and upstream gradients, the forward op's options
-    (ctx.args, passed positionally: same names, same order, same types) and the need_* flags."""
-    fwd = _schema(forward)
-    bwd = _schema(forward + "_backward")
-    assert all("Tensor" in t for _, t in fwd[:tensors]) and "Tensor" not in fwd[tensors][1]
-    assert [n for n, _ in bwd] == [n for n, _ in fwd[:tensors]] + saved + [n for n, _ in fwd[tensors:]] + NEEDS
-    assert bwd[:tensors] == fwd[:tensors]
-    assert bwd[tensors + len(saved) : -len(NEEDS)] == fwd[tensors:]
+def _all_options(fn: str) -> set[str]:
+    """Every implementation's declared options of ``fn`` (``grads``: with the protocol's filter_eps / deterministic)."""
+    attr = "ROW_STATS_OPTIONS" if fn == "row_stats" else "GRADS_OPTIONS"
+    return set().union(*(getattr(b, attr) for b in _backends()))
+
+
+@pytest.mark.parametrize("fn", ["row_stats", "grads"])
+def test_compile_ops_take_the_protocols_arguments(fn):
+    """Each op: the protocol's tensors in order (``grads``: then ``gamma_weights``), then by keyword the protocol's
+    options, every implementation's declared options and OP_EXTRA; OpsBackend's method is the protocol's plus those
+    declared options, so it passes on whatever the driver built for either implementation."""
+    from cce_dist.compile import OpsBackend
+
+    protocol = _params(getattr(Backend, fn), drop_self=True)
+    positional = [n for n, kind, _ in protocol if kind != KEYWORD_ONLY]
+    keywords = {n for n, kind, _ in protocol if kind == KEYWORD_ONLY}
+    schema = _schema(fn)
+    tensors = positional + (["gamma_weights"] if fn == "grads" else [])
+    assert [(n, False) for n in tensors] == schema[: len(tensors)]
+    rest = schema[len(tensors) :]
+    assert all(kw_only for _, kw_only in rest), rest
+    assert {n for n, _ in rest} == (keywords - {"gamma_weights"}) | _all_options(fn) | OP_EXTRA[fn]
+    method = _params(getattr(OpsBackend, fn), drop_self=True)
+    assert method[: len(protocol)] == protocol
+    assert {n for n, _, _ in method[len(protocol) :]} == _all_options(fn) - keywords
