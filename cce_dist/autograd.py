@@ -28,7 +28,7 @@ from .backend import Backend, Capabilities
 from .class_weight import ClassWeights, gamma_weights, sum_column
 from .options import CrossEntropyOptions, LogprobOptions
 from .parallel import Comm
-from .prepare import to_dtype
+from .prepare import autocast_available, to_dtype
 from .torch_impl import fused_cross_entropy
 
 B = TypeVar("B", bound=Capabilities)
@@ -54,7 +54,7 @@ class Plan(Generic[B]):
 
 
 def _no_autocast(device: torch.device):
-    if not torch.amp.is_autocast_available(device.type):  # "meta" has no autocast
+    if not autocast_available(device.type):  # "meta" has no autocast
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 

@@ -217,13 +217,20 @@ def shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
     return out
 
 
+def autocast_available(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast ("meta" has none: ``torch.is_autocast_enabled("meta")`` raises).
+
+    Dynamo of torch 2.10 / 2.11 cannot trace ``torch.amp.is_autocast_available`` (a C builtin), and a compiled call
+    never runs on meta: under torch.compile the device is asked by name (tests/test_compile_old_dynamo.py)."""
+    if torch.compiler.is_compiling():
+        return device_type != "meta"
+    return torch.amp.is_autocast_available(device_type)
+
+
 def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The dtype of the logits GEMM: autocast's when autocast is on for hidden's device, else the weight's."""
     dev = hidden.device.type
-    # "meta" has no autocast (is_autocast_enabled raises there). Dynamo of torch 2.10 / 2.11 cannot trace
-    # torch.amp.is_autocast_available (a C builtin), and a compiled call never runs on meta: ask by name there.
-    available = dev != "meta" if torch.compiler.is_compiling() else torch.amp.is_autocast_available(dev)
-    if available and torch.is_autocast_enabled(dev):
+    if autocast_available(dev) and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return weight.dtype
 
