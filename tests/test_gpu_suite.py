@@ -354,3 +354,13 @@ def test_the_dry_run_with_the_oldest_triton(tmp_path):
     assert rows and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     assert {r["env"]["triton"] for r in rows} == {triton_oldest.OLDEST}
 
+
+def test_numpy_is_pinned_below_2_4_wherever_triton_3_6_is_used():
+    """Triton 3.6's interpreter breaks with numpy 2.4: the `test` extra (whose Triton range starts at 3.6)
+    pins it, and the script that installs Triton 3.6 beside the environment's own installs the same pin."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "numpy<2.4" in extras["test"] and any(r.startswith("triton>=3.6") for r in extras["test"])
+    script = (REPO / "tests" / "install_oldest_triton.sh").read_text()
+    assert '"numpy<2.4"' in script and '"triton==$version"' in script
