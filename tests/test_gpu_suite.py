@@ -86,12 +86,12 @@ def test_dry_run_of_the_shell_script(tmp_path):
         env=_env(CCE_SUITE_FAIL="backward tiles", CCE_SUITE_CRASH="backward owner", CCE_SUITE_PEER_SITE=str(site)),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=360,
     )
     took = time.time() - t0
     # A failed case makes the exit code 1 (the dry run's own cases all pass: test_a_clean_run_exits_0)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert took < 180, f"the dry run took {took:.0f} s"
+    assert took < 240, f"the dry run took {took:.0f} s"  # ~90 s on 2 idle cores, 126 s at load 11
 
     # Everything under the output folder, nothing else in the repository.
     assert _snapshot() == before
