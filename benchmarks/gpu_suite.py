@@ -14,13 +14,24 @@ Built to return results from its first run on a machine nobody has watched it on
   measured), ``gpu_suite.md`` (rendered from the JSONL at the end; ``--render`` re-renders it),
   ``pytest_gpu.xml`` (the GPU tests), ``gpu_model.{json,md}``; benchmarks/gpu_suite.sh tees the log
   to ``suite.log``;
-- each stage runs in a child process with a time budget, each case with a timeout; a case that
-  raises (any Exception: a Triton CompilationError, a CUDA error, OOM) is recorded as an error
-  row and the next case runs; a child that dies or hangs (a poisoned CUDA context, a hung kernel)
-  is killed, its case recorded as an error, and a fresh child continues with the rest;
+- each stage runs in a child process with a time budget, each case with a timeout of at most a quarter
+  of it; a case that raises (any Exception: a Triton CompilationError, a CUDA error, OOM) is recorded
+  as an error row and the next case runs; a child that dies is recorded as an error, one that hangs (a
+  poisoned CUDA context, a hung kernel) is killed at the timeout and its case recorded as a timeout,
+  and a fresh child continues with the rest;
 - a total budget (``--budget-s``, counted from ``--started``) bounds the whole run; stages are
-  ordered by value (environment, correctness, peers, kernels, atomics, then the GPU tests with the
-  static model beside them) and what a stage could not run is recorded as ``skipped``.
+  ordered by value (environment, correctness, peers, the static model, kernels, atomics, then the
+  GPU tests, less the ahead-of-time compiles CI covers) and what a stage could not run is recorded
+  as ``skipped``. The static model (benchmarks/gpu_model.py, CPU only) is built in the background
+  from the start and waited for before the kernels stage, which compares with it: this run's model,
+  never the committed one;
+- the peers are imported exactly as measured (the environment row records ok or the error, and
+  where from); their wheels (benchmarks/peer_wheels.txt, ``--check-wheels``) are appended to
+  sys.path after the environment's own packages (``$CCE_SUITE_PEER_SITE``); a real run that cannot
+  import a peer records errors, not skips;
+- the exit code is 0 only when every case is ok (or skipped by design: a CUDA-only peer in the dry
+  run), else 1; a summary of what ran, failed, errored, timed out and was skipped (and why) ends
+  the output and gpu_suite.md.
 
 Rows carry the machine, the versions (torch, triton, cce_dist, the peers) and the commit
 (``$CCE_COMMIT`` if set, else git; plus a hash of the source tree, for machines without .git).
@@ -35,10 +46,11 @@ every method: against the float32 materialized program (TF32 off) on the same bf
     python benchmarks/gpu_suite.py --out DIR            # what gpu_suite.sh runs
     python benchmarks/gpu_suite.py --dry-run --out DIR  # CPU: tiny shapes, interpreter, no CUDA timing
     python benchmarks/gpu_suite.py --render --out DIR   # re-render gpu_suite.md from gpu_suite.jsonl
+    python benchmarks/gpu_suite.py --check-wheels .whl  # the carried wheels against peer_wheels.txt
 
 ``CCE_SUITE_FAIL=substr[,substr]`` makes every case whose id contains one of them raise, and
 ``CCE_SUITE_CRASH=substr`` makes the child die (os._exit) and ``CCE_SUITE_HANG=substr`` hang at such a
-case: tests of the error paths (``--case-timeout`` shortens the wait for the latter).
+case: tests of the error paths (``--case-timeout`` / ``--stage-cap`` shorten the wait for the latter).
 """
 
 from __future__ import annotations
@@ -88,18 +100,130 @@ METHODS = [
 GRAD_IN_FORWARD = {"liger"}
 SCHEDULES = ["chunked", "tiles", "owner"]
 
-#: Per stage: (budget cap s, timeout of one case s, least budget to start it). Dry run: a fraction.
+#: Per stage: (budget cap s, timeout of one case s, least budget to start it). The case timeout is at most a
+#: quarter of the budget (Suite.case_timeout clamps it there too), so one hung case costs at most a quarter of
+#: its stage and the rest still runs; a first call's compile / autotune fits in it. Dry run: half of each.
 STAGES: dict[str, tuple[float, float, float]] = {
-    "env": (40, 30, 5),
-    "correctness": (80, 60, 10),
-    "peers": (200, 100, 20),
-    "kernels": (50, 40, 10),
-    "atomics": (15, 10, 5),
-    "pytest": (240, 240, 30),
+    "env": (120, 30, 5),
+    "correctness": (80, 20, 10),
+    "peers": (200, 50, 20),
+    "gpu_model": (160, 160, 5),
+    "kernels": (60, 15, 10),
+    "atomics": (20, 5, 5),
+    "pytest": (200, 200, 30),
 }
-ORDER = ["env", "correctness", "peers", "kernels", "atomics", "pytest"]
+#: The static model (benchmarks/gpu_model.py, CPU only) starts in the background before the first stage and
+#: is waited for at "gpu_model" (its budget is that wait; usually the model is done by then), so the kernels
+#: stage compares with THIS run's model. Its sm_90 compile is capped at MODEL_COMPILE_S (a fresh compile took
+#: 67 s on a loaded 2-core CPU); past the cap gpu_model reuses the committed compiled fields and says so.
+MODEL_COMPILE_S = 120
+ORDER = ["env", "correctness", "peers", "gpu_model", "kernels", "atomics", "pytest"]
+#: What a row's status may be: ok; fail = out of tolerance; error = raised / the child died; timeout = killed at
+#: the case timeout or the stage's end; skipped = not run (the reason in ``error``, ``expected`` when the dry
+#: run cannot run it by design, e.g. a CUDA-only peer).
+STATUSES = ("ok", "fail", "error", "timeout", "skipped")
 #: Seconds kept back at the end for rendering and the shell script's last lines.
 RESERVE_S = 15.0
+
+
+# ------------------------------------------------------------------------------------------------
+# the peers: what each imports, the carried wheels
+# ------------------------------------------------------------------------------------------------
+
+#: The pinned wheels carried to the offline machine (benchmarks/fetch_peer_wheels.sh downloads them).
+PEER_WHEELS = REPO / "benchmarks" / "peer_wheels.txt"
+#: Where gpu_suite.sh installs them; gpu_suite.py appends it to sys.path (never before the image's packages).
+PEER_SITE_ENV = "CCE_SUITE_PEER_SITE"
+#: Per peer: its distribution and exactly what the suite imports from it (module, name), the import path the
+#: measurement takes: the environment row imports these, not the lazy top-level package (``import trl``
+#: succeeds without the ``datasets`` its trainer utilities need).
+PEERS: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "apple_cce": ("cut-cross-entropy", [("cut_cross_entropy", "linear_cross_entropy")]),
+    "liger": (
+        "liger-kernel",
+        [("liger_kernel.transformers.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss")],
+    ),
+    "trl": ("trl", [("trl.kernels", "ChunkedLogProbFunction"), ("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE")]),
+}
+
+
+def peer_of(method: str) -> str | None:
+    """The peer a method of METHODS measures (None: cce_dist or torch itself)."""
+    return next((p for p in PEERS if method == p or method.startswith(p + "(")), None)
+
+
+def peer_wheel_pins(path: Path = PEER_WHEELS) -> dict[str, str]:
+    """``{normalized name: version}`` of the carried wheels; every line must pin one version with ``==``."""
+    pins: dict[str, str] = {}
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, ver = line.partition("==")
+        if not sep or not ver.strip() or any(c in ver for c in "<>=!~*,; "):
+            raise ValueError(f"{path.name}:{n}: {raw!r} does not pin one version with ==")
+        key = name.strip().lower().replace("_", "-").replace(".", "-")
+        if key in pins:
+            raise ValueError(f"{path.name}:{n}: {key} pinned twice")
+        pins[key] = ver.strip()
+    return pins
+
+
+def check_wheels(folder: Path, path: Path = PEER_WHEELS) -> list[str]:
+    """What is wrong with a folder of carried wheels against the pins (empty: nothing): a pin without its
+    wheel, a wheel of another version or of no pin (two versions of one package stop the install)."""
+    pins = peer_wheel_pins(path)
+    problems, seen = [], {}
+    for whl in sorted(Path(folder).glob("*.whl")):
+        dist, ver = whl.name.split("-")[:2]
+        key = dist.lower().replace("_", "-").replace(".", "-")
+        if key not in pins:
+            problems.append(f"{whl.name}: not in {path.name}")
+        elif ver != pins[key]:
+            problems.append(f"{whl.name}: {path.name} pins {key}=={pins[key]}")
+        elif not {"py3", "py312", "cp312"} & set(whl.name[:-4].split("-")[-3].split(".")):
+            problems.append(f"{whl.name}: not a wheel for CPython 3.12")
+        seen.setdefault(key, []).append(whl.name)
+    problems += [f"{k}=={v}: no wheel" for k, v in pins.items() if k not in seen]
+    problems += [f"{k}: {len(v)} wheels ({', '.join(v)})" for k, v in seen.items() if len(v) > 1]
+    return problems
+
+
+def add_peer_site() -> str | None:
+    """Append the carried wheels' folder (``$CCE_SUITE_PEER_SITE``) to the END of sys.path, with its .pth
+    files, so that the image's own packages are always found first (PYTHONPATH would go before them)."""
+    import site
+
+    folder = os.environ.get(PEER_SITE_ENV)
+    if not folder or not os.path.isdir(folder):
+        return None
+    folder = os.path.abspath(folder)
+    if folder not in sys.path:
+        site.addsitedir(folder)  # appends, like site-packages itself
+    return folder
+
+
+def import_peer(peer: str) -> tuple[dict, dict[str, Any]]:
+    """Import what ``peer`` needs; ``(record, {name: object})``. The record says ok or the error, the
+    version and the file each module came from (the carried folder or the image)."""
+    import importlib
+
+    dist, needs = PEERS[peer]
+    rec: dict[str, Any] = {
+        "dist": dist,
+        "version": _version(dist),
+        "imports": [f"from {m} import {a}" for m, a in needs],
+    }
+    got: dict[str, Any] = {}
+    try:
+        for mod, attr in needs:
+            got[attr] = getattr(importlib.import_module(mod), attr)
+        rec["status"] = "ok"
+        rec["from"] = {m: getattr(sys.modules[m], "__file__", None) for m, _ in needs}
+    except Exception as e:  # noqa: BLE001 - any failure to import is the peer's row
+        rec["status"] = "error"
+        rec["error"] = f"{type(e).__name__}: {e}"[:500]
+    return rec, got
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,12 +438,17 @@ def env_run(ctx: Ctx, case: str) -> dict:
                 text=True,
                 timeout=15,
             ).stdout.strip()
-    for mod in ("cut_cross_entropy", "liger_kernel", "trl"):
-        try:
-            __import__(mod)
-            row[f"import_{mod}"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            row[f"import_{mod}"] = f"{type(e).__name__}: {e}"[:300]
+    # What each peer's measurement imports (not the lazy top-level package), where it came from, and where the
+    # carried wheels sit on sys.path (after the image's site-packages, never before).
+    row["peer_site"] = os.environ.get(PEER_SITE_ENV)
+    row["peer_site_position"] = (
+        f"{sys.path.index(row['peer_site'])} of {len(sys.path)}" if row["peer_site"] in sys.path else None
+    )
+    row["peers"] = {p: import_peer(p)[0] for p in PEERS}
+    bad = {p: r["error"] for p, r in row["peers"].items() if r["status"] != "ok"}
+    if bad and not ctx.dry:  # a real run measures every peer: one that does not import is the run's error
+        row["status"] = "error"
+        row["error"] = "; ".join(f"{p} does not import: {e}" for p, e in bad.items())
     row["versions"] = {k: _version(k) for k in ("torch", "triton", "numpy", "pytest", "pytest-xdist", "pytest-timeout")}
     return row
 
@@ -465,7 +594,7 @@ def _materialized(h, w, t):
 
 
 class Skip(Exception):
-    """A case that cannot run here (a peer not installed, a CUDA-only peer in a dry run)."""
+    """A case that cannot run here by design (a CUDA-only peer in a dry run): an expected skip."""
 
 
 def _method(ctx: Ctx, name: str) -> tuple[Callable, str]:
@@ -490,43 +619,42 @@ def _method(ctx: Ctx, name: str) -> tuple[Callable, str]:
             f"cce_dist.linear_cross_entropy(impl='triton', filter_eps={eps!r})",
         )
     elif name.startswith("apple_cce"):
-        if ctx.dry:
-            raise Skip("dry run: Apple's kernels need CUDA")
-        try:
-            from cut_cross_entropy import linear_cross_entropy as apple
-        except Exception as e:  # noqa: BLE001
-            raise Skip(f"cut-cross-entropy not importable: {type(e).__name__}: {e}") from e
+        apple = _peer(ctx, "apple_cce", cuda_only=True)["linear_cross_entropy"]
         eps = None if "exact" in name else "high"
         m = (
             lambda h, w, t: apple(h, w, t, filter_eps=eps),
             f"cut_cross_entropy.linear_cross_entropy(filter_eps={eps!r})",
         )
     elif name == "liger":
-        if ctx.dry:
-            raise Skip("dry run: Liger's kernels need CUDA")
-        try:
-            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        except Exception as e:  # noqa: BLE001
-            raise Skip(f"liger-kernel not importable: {type(e).__name__}: {e}") from e
-        lg = LigerFusedLinearCrossEntropyLoss()
+        lg = _peer(ctx, "liger", cuda_only=True)["LigerFusedLinearCrossEntropyLoss"]()
         m = (lambda h, w, t: lg(w, h, t), "LigerFusedLinearCrossEntropyLoss()(w, h, t)")
     elif name == "trl":
         # TRL 1.16's fused LM head kernel (what its trainers call; Triton on CUDA, torch chunks elsewhere), with the
         # vocab tile its fused head passes; the cross-entropy is minus the mean logprob (no target is ignored here)
-        try:
-            from trl.kernels import ChunkedLogProbFunction
-            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as tile
-        except Exception as e:  # noqa: BLE001
-            raise Skip(f"trl not importable: {type(e).__name__}: {e}") from e
+        got = _peer(ctx, "trl", cuda_only=False)
+        chunked, tile = got["ChunkedLogProbFunction"], got["_CHUNKED_LOGPROB_CHUNK_SIZE"]
 
         def trl_ce(h, w, t):
-            return -ChunkedLogProbFunction.apply(h, w, None, t, 1.0, tile, None, 1.0, ("log_probs",))[0].mean()
+            return -chunked.apply(h, w, None, t, 1.0, tile, None, 1.0, ("log_probs",))[0].mean()
 
         m = (trl_ce, f"-trl.kernels.ChunkedLogProbFunction.apply(h, w, None, t, 1.0, {tile}, ...)[0].mean()")
     else:
         raise ValueError(name)
     ctx.cache.setdefault("methods", {})[name] = m
     return m
+
+
+def _peer(ctx: Ctx, peer: str, cuda_only: bool) -> dict[str, Any]:
+    """What ``peer`` is measured with. The dry run skips a CUDA-only peer (expected) and one not installed on
+    the CPU machine; a real run that cannot import a peer raises: the case is an error, never a silent skip."""
+    if ctx.dry and cuda_only:
+        raise Skip(f"dry run: {PEERS[peer][0]}'s kernels need CUDA")
+    rec, got = import_peer(peer)
+    if rec["status"] != "ok":
+        if ctx.dry:
+            raise Skip(f"dry run: {PEERS[peer][0]} does not import here: {rec['error']}")
+        raise ImportError(f"peer {peer} ({PEERS[peer][0]}) does not import: {rec['error']}")
+    return got
 
 
 def _peer_reference(ctx: Ctx, shape):
@@ -624,32 +752,32 @@ def kernels_cases(ctx: Ctx) -> list[str]:
 
 
 def _model_estimates(out: Path, gpu: str) -> tuple[dict, str]:
-    """gpu_model's estimate (low, high) per launch label, from this run's gpu_model.json if there,
-    else the committed one."""
-    for p in (out / "gpu_model.json", REPO / "benchmarks" / "results" / "gpu_model.json"):
-        if not p.exists():
+    """This run's gpu_model estimate (low, high) per launch label, from the gpu_model.json the suite built
+    under ``out`` before the kernels stage (stage "gpu_model"), and where it came from. Never the committed
+    benchmarks/results/gpu_model.json: that one measures another commit's kernels, maybe with another Triton.
+    ``({}, why)`` when this run has no model."""
+    run = os.environ.get("CCE_SUITE_RUN")
+    built = [r for r in read_rows(out, run) if r.get("stage") == "gpu_model"]
+    p = out / "gpu_model.json"
+    if not built or built[-1].get("status") != "ok" or not p.exists():
+        why = (built[-1].get("error") or built[-1].get("status")) if built else "the model stage has not run"
+        return {}, f"none: this run built no model ({why})"
+    data = json.loads(p.read_text())
+    gname = "H200 SXM" if "H200" in gpu else "H100 SXM"
+    est: dict[str, list[float]] = {}
+    for r in data.get("kernels", []):
+        m = r.get(gname)
+        if not m:
             continue
-        with contextlib.suppress(Exception):
-            data = json.loads(p.read_text())
-            gname = "H200 SXM" if "H200" in gpu else "H100 SXM"
-            est: dict[str, list[float]] = {}
-            for r in data.get("kernels", []):
-                m = r.get(gname)
-                if not m:
-                    continue
-                lo, hi = m.get("est_ms_low", m.get("est_ms")), m.get("est_ms_high", m.get("est_ms"))
-                key = r["label"]
-                if key.startswith("forward"):  # the autotuner keeps the fastest candidate
-                    cur = est.get(key, [math.inf, math.inf])
-                    est[key] = [min(cur[0], lo), min(cur[1], hi)]
-                else:  # the kernels of one call run one after the other
-                    cur = est.get(key, [0.0, 0.0])
-                    est[key] = [cur[0] + lo, cur[1] + hi]
-            src = (
-                f"{p.relative_to(REPO) if p.is_relative_to(REPO) else p.name} (commit {data['env'].get('git_commit')})"
-            )
-            return est, src
-    return {}, "none"
+        lo, hi = m.get("est_ms_low", m.get("est_ms")), m.get("est_ms_high", m.get("est_ms"))
+        key = r["label"]
+        if key.startswith("forward"):  # the autotuner keeps the fastest candidate
+            cur = est.get(key, [math.inf, math.inf])
+            est[key] = [min(cur[0], lo), min(cur[1], hi)]
+        else:  # the kernels of one call run one after the other
+            cur = est.get(key, [0.0, 0.0])
+            est[key] = [cur[0] + lo, cur[1] + hi]
+    return est, f"gpu_model.json of this run {run} ({gname}; {data.get('compile_source')})"
 
 
 def kernels_run(ctx: Ctx, case: str) -> dict:
@@ -684,12 +812,14 @@ def kernels_run(ctx: Ctx, case: str) -> dict:
         fn()
         ctx.sync()
     row["measured_ms"] = ctx.median_ms(fn)
+    # this run's model (the dry run compares too: the plumbing is what it checks, not the numbers)
     est, src = _model_estimates(Path(os.environ.get("CCE_SUITE_OUT", ".")), row_env(ctx.dry)["gpu"] or "")
-    if case in est and not ctx.dry:
+    row["model_source"] = src
+    if case in est:
         lo, hi = est[case]
-        row.update(
-            model_ms_low=lo, model_ms_high=hi, model_source=src, measured_over_model_high=row["measured_ms"] / hi
-        )
+        row.update(model_ms_low=lo, model_ms_high=hi, measured_over_model_high=row["measured_ms"] / hi)
+    elif est:
+        row["model_source"] += f"; no estimate labelled {case!r}"
     return row
 
 
@@ -763,7 +893,7 @@ def child_main(stage: str, cases: list[str], out: Path, dry: bool, quick: bool, 
             row.update(res)
             row.setdefault("status", "ok")
         except Skip as e:
-            row.update(status="skipped", error=str(e)[:500])
+            row.update(status="skipped", error=str(e)[:500], expected=True)
         except Exception as e:  # noqa: BLE001 - every failure becomes a row; the next case runs
             row.update(
                 status="error",
@@ -790,6 +920,23 @@ def child_main(stage: str, cases: list[str], out: Path, dry: bool, quick: bool, 
 # ------------------------------------------------------------------------------------------------
 
 
+#: The test files the GPU stage runs whole: they run the kernels compiled for the GPU they find (CI runs them
+#: in Triton's interpreter only). Every other file with ``gpu``-marked tests joins them.
+PYTEST_FILES = ["tests/test_kernels.py", "tests/test_distill_triton.py"]
+#: Never on the GPU's time: CI covers them on CPU. test_aot_compile.py compiles the sm_90 (and every other)
+#: matrix with the real compiler and no GPU; the oldest-Triton interpreter tests interpret.
+PYTEST_CPU_COVERED = ["tests/test_aot_compile.py", "tests/test_interpreter_oldest_triton.py"]
+
+
+def pytest_files() -> list[str]:
+    files = list(PYTEST_FILES)
+    for p in sorted((REPO / "tests").glob("test_*.py")):
+        rel = f"tests/{p.name}"
+        if rel not in files and rel not in PYTEST_CPU_COVERED and "mark.gpu" in p.read_text():
+            files.append(rel)
+    return files
+
+
 class Suite:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -808,7 +955,7 @@ class Suite:
         )
         if self.dry:
             os.environ["TRITON_INTERPRET"] = "1"
-        self.scale = 0.5 if self.dry else 1.0
+        self.model: subprocess.Popen | None = None  # benchmarks/gpu_model.py, started before the first stage
 
     def log(self, msg: str) -> None:
         print(f"[suite {time.time() - self.started:6.1f}s] {msg}", flush=True)
@@ -830,9 +977,14 @@ class Suite:
         )
 
     def stage_budget(self, stage: str, after: list[str]) -> float:
-        cap = self.a.stage_cap or STAGES[stage][0] * self.scale
-        keep = sum(STAGES[s][2] * self.scale for s in after)
+        cap = self.a.stage_cap or STAGES[stage][0]
+        keep = sum(STAGES[s][2] for s in after)
         return max(0.0, min(cap, self.left() - keep))
+
+    def case_timeout(self, stage: str, budget: float) -> float:
+        """A case's timeout: the stage's (or --case-timeout), at most a quarter of the stage's budget, so that
+        one hung case leaves three quarters to the others."""
+        return min(self.a.case_timeout or STAGES[stage][1], budget / 4)
 
     def list_cases(self, stage: str) -> list[str]:
         class _C:  # the case lists depend on the flags only: no torch, no CUDA in the parent
@@ -842,7 +994,8 @@ class Suite:
 
     def run_child_stage(self, stage: str, budget: float) -> None:
         cases = self.list_cases(stage)
-        case_timeout = self.a.case_timeout or STAGES[stage][1] * (2 if self.dry else 1)
+        case_timeout = self.case_timeout(stage, budget)
+        self.log(f"{stage}: {len(cases)} cases, {case_timeout:.0f} s each at most")
         stage_end = time.time() + budget
         restarts = 0
         while True:
@@ -863,7 +1016,8 @@ class Suite:
             if current is not None:
                 done = {r["case"] for r in read_rows(self.out, self.run_id) if r.get("stage") == stage}
                 if current not in done:
-                    self.record(stage, current, "error", why or f"the child process exited (rc={rc}) during this case")
+                    status = "timeout" if why else "error"
+                    self.record(stage, current, status, why or f"the child process exited (rc={rc}) during this case")
             elif rc != 0:
                 self.log(f"{stage}: child exited rc={rc} between cases")
 
@@ -911,23 +1065,12 @@ class Suite:
         return proc.wait(), current, why
 
     def run_pytest(self, budget: float) -> None:
-        """The CUDA tests: the kernel and distillation-kernel test files (compiled for real on a GPU),
-        the ahead-of-time compile tests, and every ``gpu``-marked test; xdist and a per-test timeout
-        where installed; JUnit XML under the output folder."""
+        """The CUDA tests: the files that run the kernels compiled for this GPU (PYTEST_FILES) and every
+        other ``gpu``-marked file, not what CI already covers on CPU (PYTEST_CPU_COVERED: the ahead-of-time
+        compile matrix above all, which CI compiles for sm_90 with both ends of the Triton range); xdist and
+        a per-test timeout (a quarter of the budget) where installed; JUnit XML under the output folder."""
         stage = "pytest"
-        aot = "tests/test_aot_compile.py::"
-        files = ["tests/test_kernels.py", "tests/test_distill_triton.py"]
-        # the ahead-of-time compile tests for this machine's target only (the others run in CI on CPU)
-        files += [f"{aot}test_every_selectable_kernel_compiles_within_limits[newest-sm_90]"]
-        files += [f"{aot}test_distill_kernels_compile_within_limits[newest-sm_90]"]
-        files += [
-            f"{aot}test_selection_uses_reported_shared_memory_not_major",
-            f"{aot}test_splits_follow_the_launched_tile",
-        ]
-        for p in sorted((REPO / "tests").glob("test_*.py")):
-            rel = f"tests/{p.name}"
-            if rel not in files and rel != aot[:-2] and "mark.gpu" in p.read_text():
-                files.append(rel)
+        files = pytest_files()
         have = {m: _importable(m) for m in ("xdist", "pytest_timeout")}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE"]
         cmd += [f"--junitxml={self.out / JUNIT}", "-o", "junit_family=xunit1"]
@@ -941,7 +1084,7 @@ class Suite:
         if have["xdist"] and not self.dry:
             cmd += ["-n", str(min(8, max(2, (os.cpu_count() or 2) // 2)))]
         if have["pytest_timeout"]:
-            cmd += ["--timeout", str(int(min(150, max(30, budget * 0.6))))]
+            cmd += ["--timeout", str(int(min(150, max(30, budget / 4))))]
         cmd += files
         self.log(f"pytest (budget {budget:.0f} s): {' '.join(cmd)}")
         t0 = time.time()
@@ -963,32 +1106,59 @@ class Suite:
         status = "ok" if rc == 0 and not killed else "fail" if rc == 1 and not killed else "error"
         self.record(stage, "GPU tests", status, killed or ("" if rc == 0 else f"pytest rc={rc}"), **row)
 
-    def start_gpu_model(self, budget: float) -> subprocess.Popen | None:
-        """The static model (CPU only) in the background, beside the GPU tests; its compile is capped."""
+    def start_gpu_model(self) -> None:
+        """benchmarks/gpu_model.py (CPU only: the sm_90 compile and the model) in the background from the
+        start, so that it is built before the kernels stage compares with it. Its compile is capped
+        (MODEL_COMPILE_S); past the cap gpu_model reuses the committed compiled fields and says so (its
+        compile_source, which the model's row and every kernels row carry)."""
+        stages = self.stages()
+        if "gpu_model" not in stages:
+            return
+        cap = min(MODEL_COMPILE_S, self.left() - 10)
         cmd = [sys.executable, "-m", "benchmarks.gpu_model", "--out", str(self.out)]
-        cmd += ["--compile-budget", str(int(max(0, budget - 20)))]
-        if self.dry:
-            cmd += ["--no-compile"]
+        cmd += ["--no-compile"] if self.dry else ["--compile-budget", str(int(max(0, cap)))]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        # its own AOT cache: the GPU tests' ahead-of-time compile tests write the shared one at the same time
-        env["CCE_DIST_AOT_CACHE"] = os.path.join(tempfile.gettempdir(), "cce_suite_gpu_model_aot")
-        self.log("gpu_model: " + " ".join(cmd))
-        return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+        # its own AOT cache: nothing else compiles into it, and a stale shared one is never read
+        env["CCE_DIST_AOT_CACHE"] = os.path.join(tempfile.gettempdir(), f"cce_suite_gpu_model_aot_{self.run_id}")
+        self.log("gpu_model (background): " + " ".join(cmd))
+        self.model = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+        self.model_started = time.time()
 
-    def finish_gpu_model(self, proc: subprocess.Popen | None, budget_end: float) -> None:
+    def finish_gpu_model(self, budget: float) -> None:
+        """Wait for the model (at most ``budget`` s more) and record it: ok, error or timeout."""
+        proc, self.model = self.model, None
         if proc is None:
+            self.record("gpu_model", "static model", "error", "gpu_model was not started")
             return
         try:
-            rc = proc.wait(timeout=max(1.0, budget_end - time.time()))
-            err = "" if rc == 0 else f"gpu_model rc={rc} (see suite.log)"
+            rc = proc.wait(timeout=max(1.0, budget))
+            status, err = ("ok", "") if rc == 0 else ("error", f"gpu_model rc={rc} (see suite.log)")
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            rc, err = proc.wait(), "timeout: gpu_model killed"
-        self.record("gpu_model", "static model", "ok" if rc == 0 else "error", err, rc=rc)
+            rc, status = proc.wait(), "timeout"
+            err = f"timeout: gpu_model still running {budget:.0f} s into its stage; killed"
+        src = None
+        with contextlib.suppress(Exception):
+            src = json.loads((self.out / "gpu_model.json").read_text()).get("compile_source")
+        self.record(
+            "gpu_model",
+            "static model",
+            status,
+            err,
+            rc=rc,
+            wall_s=round(time.time() - self.model_started, 1),
+            compile_source=src,
+        )
 
-    def main(self) -> None:
-        stages = [s for s in ORDER if s in self.a.stages.split(",")] if self.a.stages else ORDER
+    def stages(self) -> list[str]:
+        """ORDER, or the --stages subset of it, less --skip."""
+        want, skip = set(self.a.stages.split(",")) - {""}, set(self.a.skip.split(","))
+        return [s for s in ORDER if (not want or s in want) and s not in skip]
+
+    def main(self) -> int:
+        """Every stage in ORDER, then the markdown and the summary; returns the exit code (exit_code())."""
+        stages = self.stages()
         self.log(f"out {self.out}, run {self.run_id}, budget {self.a.budget_s:.0f} s, dry run {self.dry}")
         append_row(
             self.out,
@@ -998,33 +1168,76 @@ class Suite:
                 "status": "ok",
                 "argv": sys.argv,
                 "budget_s": self.a.budget_s,
+                "stages": stages,
                 "env": {"commit": os.environ["CCE_SUITE_COMMIT"], "tree": os.environ["CCE_SUITE_TREE"]},
             },
         )
+        self.start_gpu_model()
         for i, stage in enumerate(stages):
             after = stages[i + 1 :]
             budget = self.stage_budget(stage, after)
-            if budget < STAGES[stage][2] * self.scale:
-                for c in self.list_cases(stage) if stage != "pytest" else ["GPU tests"]:
+            if budget < STAGES[stage][2]:
+                cases = ["static model"] if stage == "gpu_model" else ["GPU tests"] if stage == "pytest" else None
+                for c in cases or self.list_cases(stage):
                     self.record(stage, c, "skipped", f"not run: {self.left():.0f} s left of the total budget")
                 continue
             self.log(f"stage {stage}: budget {budget:.0f} s")
             t0 = time.time()
             try:
                 if stage == "pytest":
-                    model = self.start_gpu_model(budget) if "gpu_model" not in self.a.skip else None
                     self.run_pytest(budget)
-                    self.finish_gpu_model(model, t0 + budget)
+                elif stage == "gpu_model":
+                    self.finish_gpu_model(budget)
                 else:
                     self.run_child_stage(stage, budget)
             except Exception as e:  # noqa: BLE001 - the orchestrator itself must carry on
                 self.record(stage, "(stage)", "error", f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             self.log(f"stage {stage}: done in {time.time() - t0:.0f} s")
-        if "gpu_model" in self.a.stages.split(",") and "pytest" not in stages:
-            self.finish_gpu_model(self.start_gpu_model(60), time.time() + 60)
+        if self.model is not None:  # its stage was skipped: it must not outlive the suite
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.model.pid, signal.SIGKILL)
+            self.model.wait()
+        rc = exit_code(read_rows(self.out, self.run_id))
+        append_row(self.out, {"stage": "suite", "case": "summary", "status": "ok", "exit_code": rc})
         render(self.out, self.run_id)
         self.log(f"wrote {self.out / JSONL} and {self.out / MD}")
         print(headline(self.out, self.run_id), flush=True)
+        print(summary(read_rows(self.out, self.run_id)), flush=True)
+        return rc
+
+
+def exit_code(rows: list[dict]) -> int:
+    """0 when every case of the run is ok or skipped by design (``expected``: a CUDA-only peer in the dry
+    run); 1 when any case failed, errored, timed out, or was not run for want of time or a peer."""
+    return int(any(bad(r) for r in rows))
+
+
+def bad(r: dict) -> bool:
+    st = r.get("status")
+    return st in ("fail", "error", "timeout") or (st == "skipped" and not r.get("expected"))
+
+
+def summary(rows: list[dict]) -> str:
+    """What ran, passed, failed, errored, timed out and was skipped (and why), and the exit code: the last
+    lines of the output (a device tool returns its tail)."""
+    cases = [r for r in rows if r.get("stage") != "suite"]
+    n = {st: sum(r.get("status") == st for r in cases) for st in STATUSES}
+    ran = len(cases) - n["skipped"]
+    expected = sum(r.get("status") == "skipped" and bool(r.get("expected")) for r in cases)
+    rc = exit_code(rows)
+    lines = [
+        "== gpu_suite summary ==",
+        f"{len(cases)} cases: {ran} ran ({n['ok']} ok, {n['fail']} failed, {n['error']} errored, "
+        f"{n['timeout']} timed out), {n['skipped']} skipped ({expected} by design, {n['skipped'] - expected} "
+        "for want of time or a peer)",
+    ]
+    for r in cases:
+        if r.get("status") != "ok":
+            why = str(r.get("error") or "").splitlines()[0][:200] if r.get("error") else ""
+            tag = " (by design)" if r.get("expected") else ""
+            lines.append(f"  {r.get('status'):8s} {r.get('stage')} / {r.get('case')}{tag}: {why}")
+    lines.append(f"exit {rc}" + (": a case failed, errored, timed out or was not run" if rc else ": every case ok"))
+    return "\n".join(lines)
 
 
 def _importable(mod: str) -> bool:
@@ -1071,6 +1284,9 @@ def headline(out: Path, run: str | None = None) -> str:
     lines = ["== gpu_suite headline (full tables in gpu_suite.md) =="]
     for r in read_rows(out, run):
         st, case = r.get("stage"), r.get("case")
+        if st == "env":
+            for p, rec in (r.get("peers") or {}).items():
+                lines.append(f"{'env':11s} peer {p:53s} {rec.get('status', '?'):7s} {rec.get('error') or ''}"[:240])
         if st in ("suite", "env"):
             continue
         msg = f"{st:11s} {case[:58]:58s} {r.get('status', '?'):7s}"
@@ -1128,11 +1344,23 @@ def render(out: Path, run: str | None = None) -> str:
     if envr.get("device"):
         lines += [
             f"Device: {envr.get('device')} ({envr.get('sms')} SMs, {envr.get('memory_gib')} GiB, cc "
-            f"{envr.get('capability')}, CUDA {envr.get('cuda')}); imports: cut_cross_entropy "
-            f"{envr.get('import_cut_cross_entropy')}, liger_kernel {envr.get('import_liger_kernel')}, trl "
-            f"{envr.get('import_trl')}.",
+            f"{envr.get('capability')}, CUDA {envr.get('cuda')}).",
             "",
         ]
+    if envr.get("peers"):
+        lines += [
+            f"Peers (what each measurement imports; carried wheels in {envr.get('peer_site')}, at sys.path "
+            f"position {envr.get('peer_site_position')}):",
+            "",
+        ]
+        for p, rec in envr["peers"].items():
+            where = "; ".join(f"{m} from {f}" for m, f in (rec.get("from") or {}).items())
+            lines.append(
+                f"- {p} ({rec.get('dist')} {rec.get('version')}): {rec.get('status')}"
+                + (f", {where}" if where else "")
+                + (f" — {rec.get('error')}" if rec.get("error") else "")
+            )
+        lines.append("")
     if by["correctness"]:
         lines += [
             "## Correctness against float64 (bf16 inputs, logits rounded to bf16 once as the contract says)",
@@ -1218,8 +1446,12 @@ def render(out: Path, run: str | None = None) -> str:
         lines.append("")
     if by["gpu_model"]:
         r = by["gpu_model"][-1]
-        lines += [f"Static model (gpu_model.md beside this file): {r.get('status')} {r.get('error') or ''}", ""]
-    errs = [r for r in rows if r.get("status") in ("error", "fail")]
+        lines += [
+            f"Static model (gpu_model.md beside this file, built by this run in {r.get('wall_s')} s): "
+            f"{r.get('status')} {r.get('error') or ''} ({r.get('compile_source')})",
+            "",
+        ]
+    errs = [r for r in rows if r.get("status") in ("error", "fail", "timeout")]
     if errs:
         lines += ["## Errors and failures", ""]
         lines += [
@@ -1227,6 +1459,7 @@ def render(out: Path, run: str | None = None) -> str:
             for r in errs
         ]
         lines.append("")
+    lines += ["## Summary", "", "```", summary(rows), "```", ""]
     md = "\n".join(lines)
     (out / MD).write_text(md)
     return md
@@ -1242,13 +1475,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the paper shape only in the peers stage")
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("CCE_SUITE_BUDGET_S", 480)))
     p.add_argument("--started", type=float, default=None, help="epoch seconds the budget counts from")
-    p.add_argument("--stages", default="", help=f"comma-separated subset of {ORDER} (+ gpu_model)")
-    p.add_argument("--skip", default="", help="comma-separated: gpu_model")
+    p.add_argument("--stages", default="", help=f"comma-separated subset of {ORDER}")
+    p.add_argument("--skip", default="", help="comma-separated stages not to run")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 1; dry run 0)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default 5; dry run 1)")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds per case (default: per stage)")
     p.add_argument("--stage-cap", type=float, default=None, help="seconds per stage (default: per stage, STAGES)")
     p.add_argument("--render", action="store_true", help="only re-render gpu_suite.md from gpu_suite.jsonl")
+    p.add_argument("--check-wheels", default=None, metavar="DIR", help=f"check DIR's wheels against {PEER_WHEELS.name}")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cases", default="[]", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -1258,6 +1492,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.render:
         print(render(out))
         return 0
+    if a.check_wheels:
+        problems = check_wheels(Path(a.check_wheels))
+        print("\n".join(problems) or f"{a.check_wheels}: one wheel per pin of {PEER_WHEELS.name}")
+        return 1 if problems else 0
+    add_peer_site()
     if a.child:
         if a.dry_run:
             os.environ["TRITON_INTERPRET"] = "1"
@@ -1268,8 +1507,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("gpu_suite.py: no CUDA device; use --dry-run for the CPU plumbing run", file=sys.stderr)
             return 2
-    Suite(a).main()
-    return 0
+    return Suite(a).main()
 
 
 if __name__ == "__main__":

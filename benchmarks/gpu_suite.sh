@@ -2,21 +2,27 @@
 # The GPU suite in one command, for a machine nobody watches (one H200, offline, a hard time limit):
 # correctness of every Triton path against float64, cce_dist against Apple's Cut Cross-Entropy,
 # Liger-Kernel, torch.compile and the materialized program, each kernel alone against
-# benchmarks/gpu_model.py, fp32 atomics, then the GPU tests with the static model beside them.
+# this run's benchmarks/gpu_model.py (built in the background from the start, waited for before the kernels
+# stage), fp32 atomics, then the GPU tests (not the ahead-of-time compiles CI covers).
 # Everything is written under OUT_DIR (nothing else in the repository is touched), the log from
 # its first line:
 #   suite.log          this script's whole output
-#   gpu_suite.jsonl    one row per case, appended as it is measured (ok / fail / error / skipped)
+#   gpu_suite.jsonl    one row per case, appended as it is measured (ok / fail / error / timeout / skipped)
 #   gpu_suite.md       rendered from the JSONL at the end (re-render: gpu_suite.py --render --out DIR)
 #   pytest_gpu.xml     the GPU tests (JUnit)
-#   gpu_model.json/md  the static model of this commit's kernels
+#   gpu_model.json/md  the static model of this commit's kernels, built by this run
 #
 # Usage: [CCE_COMMIT=<hash>] [CCE_SUITE_BUDGET_S=480] bash benchmarks/gpu_suite.sh [OUT_DIR] [gpu_suite.py args]
 #   OUT_DIR defaults to $OUT if set, else benchmarks/results/gpu. CCE_COMMIT records the commit where
 #   the machine has no .git. --dry-run (or CCE_SUITE_DRY_RUN=1) runs the CPU plumbing check (tests/test_gpu_suite.py).
-# Peers: pure-Python wheels carried in .whl/ (pip download --no-deps --only-binary=:all: -d .whl
-#   cut-cross-entropy liger-kernel trl, plus transformers accelerate datasets where the machine lacks them)
-#   are installed into /tmp/site (offline, no index).
+# Peers: the pinned wheels of benchmarks/peer_wheels.txt, downloaded for Python 3.12 by
+#   benchmarks/fetch_peer_wheels.sh into the ignored folder .whl/ and carried to the machine, are checked against
+#   the pins and installed into /tmp/site (offline: --no-index --no-deps). gpu_suite.py appends that folder to
+#   sys.path AFTER the image's site-packages ($CCE_SUITE_PEER_SITE, site.addsitedir): a carried wheel never
+#   shadows the image's packages (PYTHONPATH would put it first). The environment row records what each peer
+#   imports and from where; a peer that does not import is an error, and the script's exit code is not 0.
+# Exit code: gpu_suite.py's: 0 when every case is ok (or skipped by design in the dry run), 1 when any failed,
+#   errored, timed out or was not run, 2 without CUDA (not a dry run); a summary of what ran ends the output.
 set -uo pipefail
 started=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -35,10 +41,14 @@ main() {
   if [ "$dry" = 0 ]; then
     if ls .whl/*.whl >/dev/null 2>&1; then
       ls .whl/*.whl
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || echo "gpu_suite.sh: installing .whl/ failed; peers will be skipped"
+      "$PY" benchmarks/gpu_suite.py --check-wheels .whl || echo "gpu_suite.sh: .whl/ does not match benchmarks/peer_wheels.txt (above)"
+      if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+        export CCE_SUITE_PEER_SITE=/tmp/site
+      else
+        echo "gpu_suite.sh: installing .whl/ failed; the peers that need it will be errors"
+      fi
     else
-      echo "gpu_suite.sh: no .whl/ folder: the peers are measured only if already installed"
+      echo "gpu_suite.sh: no .whl/ folder (bash benchmarks/fetch_peer_wheels.sh): peers not in the image will be errors"
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 || true
   fi
