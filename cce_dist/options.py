@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import torch
+
 from .outputs import RowOutput, check_row_outputs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,6 +144,13 @@ def _check_shift(shift: bool | int) -> int:
     return shift
 
 
+def rebuilt_by_dynamo(opts: object) -> bool:
+    """Whether ``opts`` is Dynamo's rebuild of an options object from graph proxies (torch 2.10 / 2.11 rebuild a
+    frozen dataclass passed to an autograd Function's ``apply`` field by field as ``torch.fx.Proxy`` values, under
+    ``dynamic=True``): its values were validated when the caller's object was built, and a proxy is no number."""
+    return any(isinstance(getattr(opts, f, None), torch.fx.Proxy) for f in getattr(opts, "__dataclass_fields__", ()))
+
+
 def _finite(x: float) -> bool:
     """``math.isfinite`` that torch.compile can trace when ``x`` is a symbolic float (dynamic=True)."""
     return abs(x) < math.inf
@@ -185,6 +194,8 @@ class LossOptions:
     NUMBER_FIELDS: ClassVar[tuple[str, ...]] = ("ignore_index", "chunk_size")
 
     def __post_init__(self) -> None:
+        if rebuilt_by_dynamo(self):
+            return
         coerce_numbers(self, self.NUMBER_FIELDS)
         _check_int_option("ignore_index", self.ignore_index)
         if self.impl not in IMPLS:
@@ -234,6 +245,8 @@ class CommonOptions(LossOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if rebuilt_by_dynamo(self):
+            return
         object.__setattr__(self, "row_outputs", check_row_outputs(self.row_outputs))
         object.__setattr__(self, "softcap", _check_softcap(self.softcap))
         object.__setattr__(self, "shift", _check_shift(self.shift))
@@ -284,6 +297,8 @@ class CrossEntropyOptions(CommonOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if rebuilt_by_dynamo(self):
+            return
         _check_reduction(self.reduction)
         _check_flag("return_lse", self.return_lse)
         _check_flag("grad_in_forward", self.grad_in_forward, optional=True)
@@ -309,6 +324,8 @@ class LogprobOptions(CommonOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if rebuilt_by_dynamo(self):
+            return
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not _finite(t):
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
@@ -381,6 +398,8 @@ class DistillationOptions(LossOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if rebuilt_by_dynamo(self):
+            return
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         object.__setattr__(self, "beta", _check_number("beta", self.beta, 0.0, 1.0, lo_open=True, hi_open=True))

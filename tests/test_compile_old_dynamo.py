@@ -57,3 +57,18 @@ def test_public_losses_compile_without_builtins_old_dynamo_cannot_trace(old_dyna
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("field", ["z_loss", "label_smoothing", "softcap"])
+def test_options_rebuilt_from_graph_proxies_are_not_validated_again(field):
+    """Dynamo of torch 2.10 / 2.11 rebuilds the frozen options passed to CrossEntropyRows.apply from torch.fx proxies
+    under dynamic=True; re-validating them raised "z_loss must be a finite number >= 0, got Proxy(item)" inside
+    Dynamo. A rebuild is accepted as is; a real bad value still raises."""
+    from cce_dist.options import CrossEntropyOptions
+
+    graph = torch.fx.Graph()
+    proxy = torch.fx.Proxy(graph.placeholder("x"), torch.fx.proxy.GraphAppendingTracer(graph))
+    rebuilt = CrossEntropyOptions(**{field: proxy})
+    assert getattr(rebuilt, field) is proxy
+    with pytest.raises(ValueError, match=field):
+        CrossEntropyOptions(**{field: float("nan")})
