@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from .distill_autograd import DistillRows, FusedDistill
-from .driver import Call, plan_call
-from .options import DistillationOptions, Divergence, Impl, Reduction
-from .parallel import VocabShard
-from .prepare import (
+from .core.options import DistillationOptions, Divergence, Impl, Reduction
+from .engine.distill_autograd import DistillRows, FusedDistill
+from .engine.driver import Call, plan_call
+from .engine.prepare import (
     Prepared,
     as_rows,
     check_head,
@@ -30,6 +29,7 @@ from .prepare import (
     resolve_distill_backend,
     token_shape,
 )
+from .tp.collectives import VocabShard
 
 Tensor = torch.Tensor
 

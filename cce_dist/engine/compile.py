@@ -39,12 +39,12 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from . import formulas
-from . import stats as S
+from ..core import formulas
+from ..core import stats as S
+from ..core.class_weight import ClassWeights, gamma_weights, row_weights, sum_column
+from ..core.options import CrossEntropyOptions, LogprobOptions
+from ..core.outputs import RowOutput, stats_needed
 from .autograd import Plan, needed_input_grads, refuse_second_order
-from .class_weight import ClassWeights, gamma_weights, row_weights, sum_column
-from .options import CrossEntropyOptions, LogprobOptions
-from .outputs import RowOutput, stats_needed
 from .prepare import (
     Prepared,
     backend_kwargs,

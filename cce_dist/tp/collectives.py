@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from . import stats as S
+from ..core import stats as S
 
 StatsCollective = Literal["auto", "allreduce", "allgather"]
 
