@@ -16,8 +16,9 @@ Public API:
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
 from .core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
 from .core.outputs import ROW_OUTPUTS, RowOutputs
+from .core.shard import VocabShard
 from .distill import linear_distillation
-from .tp.collectives import InputError, VocabShard
+from .tp.collectives import InputError
 
 __all__ = [
     "CrossEntropyOptions",

@@ -23,6 +23,7 @@ from .core.backend import Backend
 from .core.class_weight import ClassWeights
 from .core.options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
 from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
+from .core.shard import VocabShard
 from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .engine.driver import Call, plan_call
 from .engine.prepare import (
@@ -38,7 +39,7 @@ from .engine.prepare import (
     resolve_backend,
 )
 from .impl import torch_cross_entropy as torch_impl
-from .tp.collectives import VocabShard, values_checksum
+from .tp.collectives import values_checksum
 
 Tensor = torch.Tensor
 

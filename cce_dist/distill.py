@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .core.options import DistillationOptions, Divergence, Impl, Reduction
+from .core.shard import VocabShard
 from .engine.distill_autograd import DistillRows, FusedDistill
 from .engine.driver import Call, plan_call
 from .engine.prepare import (
@@ -29,7 +30,6 @@ from .engine.prepare import (
     resolve_distill_backend,
     token_shape,
 )
-from .tp.collectives import VocabShard
 
 Tensor = torch.Tensor
 

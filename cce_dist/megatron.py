@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .api import linear_cross_entropy
-from .tp.collectives import VocabShard
+from .core.shard import VocabShard
 
 Tensor = torch.Tensor
 

@@ -26,8 +26,9 @@ import torch
 
 from ..core.backend import Capabilities
 from ..core.options import CommonOptions, LossOptions, handshake_options
+from ..core.shard import VocabShard
 from ..impl import torch_cross_entropy
-from ..tp.collectives import Comm, Layout, VocabShard, handshake
+from ..tp.collectives import Comm, Layout, handshake
 from .autograd import Plan
 from .prepare import Prepared, backend_kwargs, check_target_range, grad_needs, resolve_filter_eps
 

@@ -28,7 +28,7 @@ from ..core.options import CommonOptions, CrossEntropyOptions, LogprobOptions, R
 from ..impl import torch_cross_entropy, torch_distill
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..tp.collectives import VocabShard
+    from ..core.shard import VocabShard
 
 __all__ = [
     "Prepared",

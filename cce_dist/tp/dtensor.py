@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.options import CommonOptions
-from .collectives import VocabShard
+from ..core.shard import VocabShard
 
 __all__ = ["from_dtensor"]
 
