@@ -14,10 +14,11 @@ Public API:
 """
 
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_logprobs
+from .core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from .core.outputs import ROW_OUTPUTS, RowOutputs
+from .core.shard import VocabShard
 from .distill import linear_distillation
-from .options import CrossEntropyOptions, DistillationOptions, LogprobOptions
-from .outputs import ROW_OUTPUTS, RowOutputs
-from .parallel import InputError, VocabShard
+from .tp.collectives import InputError
 
 __all__ = [
     "CrossEntropyOptions",

@@ -19,15 +19,15 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from . import stats as S
-from .autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
-from .backend import Backend
-from .class_weight import ClassWeights
-from .driver import Call, plan_call
-from .options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
-from .outputs import RowOutput, RowOutputs, row_outputs, stats_needed
-from .parallel import VocabShard, values_checksum
-from .prepare import (
+from .core import stats as S
+from .core.backend import Backend
+from .core.class_weight import ClassWeights
+from .core.options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
+from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
+from .core.shard import VocabShard
+from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
+from .engine.driver import Call, plan_call
+from .engine.prepare import (
     Prepared,
     check_class_weight,
     check_class_weight_length,
@@ -39,6 +39,7 @@ from .prepare import (
     prepare_rows,
     resolve_backend,
 )
+from .tp.collectives import values_checksum
 
 Tensor = torch.Tensor
 
@@ -75,7 +76,7 @@ def _call(
 
     def resolve(rows: Prepared) -> Backend:
         if compiling:
-            from . import compile as C
+            from .engine import compile as C
 
             backend: Backend = C.ops_backend(opts.impl, hidden, opts.ignore_index)
         else:
@@ -135,7 +136,7 @@ def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: C
 def _integrations(hidden, weight, targets, bias, opts):
     """Hooks for inputs that need translating first: DTensor heads (cce_dist.dtensor)."""
     if is_dtensor(weight) or is_dtensor(hidden):
-        from .dtensor import from_dtensor
+        from .tp.dtensor import from_dtensor
 
         hidden, weight, targets, bias, opts = from_dtensor(hidden, weight, targets, bias, opts)
     return hidden, weight, targets, bias, opts
@@ -144,7 +145,7 @@ def _integrations(hidden, weight, targets, bias, opts):
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
     compiling = _through_ops(hidden)
     if compiling:
-        from . import compile as C
+        from .engine import compile as C
 
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:
@@ -192,7 +193,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     compiling = _through_ops(hidden)
     if compiling:
-        from . import compile as C
+        from .engine import compile as C
 
         C.check_compilable(hidden, weight, targets, bias, opts)
     else:

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from .distill_autograd import DistillRows, FusedDistill
-from .driver import Call, plan_call
-from .options import DistillationOptions, Divergence, Impl, Reduction
-from .parallel import VocabShard
-from .prepare import (
+from .core.options import DistillationOptions, Divergence, Impl, Reduction
+from .core.shard import VocabShard
+from .engine.distill_autograd import DistillRows, FusedDistill
+from .engine.driver import Call, plan_call
+from .engine.prepare import (
     Prepared,
     as_rows,
     check_head,

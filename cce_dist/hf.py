@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .api import linear_cross_entropy
-from .options import CrossEntropyOptions
+from .core.options import CrossEntropyOptions
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
 

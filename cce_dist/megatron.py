@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .api import linear_cross_entropy
-from .parallel import VocabShard
+from .core.shard import VocabShard
 
 Tensor = torch.Tensor
 
@@ -528,7 +528,7 @@ def _check_model(model) -> None:
 
 
 def _check_options(model, loss_options: dict) -> dict:
-    from .options import CrossEntropyOptions
+    from .core.options import CrossEntropyOptions
 
     bad = sorted(set(loss_options) - set(PATCH_OPTIONS))
     if bad:

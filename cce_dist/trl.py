@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from .api import linear_logprobs
+from .core.options import Divergence
+from .core.outputs import RowOutput
 from .distill import linear_distillation
-from .options import Divergence
-from .outputs import RowOutput
 
 __all__ = ["MIN_TRL_VERSION", "CceDivergence", "CceLogProbs", "is_patched", "patch", "unpatch"]
 

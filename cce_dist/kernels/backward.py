@@ -71,9 +71,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
-from cce_dist.class_weight import head_direction
-from cce_dist.runtime import device_guard, f32_out_gemm, free_bytes, logger, mm_f32
+from cce_dist.core.backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from cce_dist.core.class_weight import head_direction
+from cce_dist.core.runtime import device_guard, f32_out_gemm, free_bytes, logger, mm_f32
 
 from . import config as _config
 from ._common import (

@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_dist.runtime import device_guard
-from cce_dist.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats, normalizers
+from cce_dist.core.runtime import device_guard
+from cce_dist.core.stats import MAX, NUM_STATS, SUM, SUMEXP, TARGET, combine_stack, empty_stats, normalizers
 
 from . import config as _config
 from ._common import (

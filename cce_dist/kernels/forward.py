@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_dist.runtime import device_guard
-from cce_dist.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack, empty_stats
+from cce_dist.core.runtime import device_guard
+from cce_dist.core.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack, empty_stats
 
 from . import config as _config
 from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice

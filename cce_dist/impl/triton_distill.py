@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import distill_torch as DT
-from . import stats as S
+from ..core import stats as S
+from . import torch_distill as DT
 
 Tensor = torch.Tensor
 
@@ -43,7 +43,7 @@ class Heads(DT.Heads):
 def _kd():
     """:mod:`cce_dist.kernels.distill` (triton), imported where a kernel is launched: importing this module (the
     driver does, to resolve ``impl``) does not import triton."""
-    from .kernels import distill
+    from ..kernels import distill
 
     return distill
 

@@ -25,18 +25,13 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from . import torch_impl
+from ..core.backend import Capabilities
+from ..core.options import CommonOptions, LossOptions, handshake_options
+from ..core.shard import VocabShard
+from ..impl import torch_cross_entropy
+from ..tp.collectives import Comm, Layout, handshake
 from .autograd import Plan
-from .backend import Capabilities
-from .options import CommonOptions, LossOptions, handshake_options
-from .parallel import Comm, Layout, VocabShard, handshake
-from .prepare import (
-    Prepared,
-    backend_kwargs,
-    check_target_range,
-    grad_needs,
-    resolve_filter_eps,
-)
+from .prepare import Prepared, backend_kwargs, check_target_range, grad_needs, resolve_filter_eps
 
 __all__ = ["Call", "plan_call"]
 
@@ -85,7 +80,7 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
     opts, shard = call.opts, call.opts.shard
     error: BaseException | None = None
     rows: Prepared | None = None
-    backend: Any = torch_impl  # what a failed rank names in the handshake
+    backend: Any = torch_cross_entropy  # what a failed rank names in the handshake
     try:
         rows = call.prepare()
         backend = call.resolve(rows)
@@ -126,7 +121,7 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
             deterministic=opts.deterministic,
         ),
         # from values every rank agreed on, so the per-chunk collectives line up
-        chunk_tokens=torch_impl.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
+        chunk_tokens=torch_cross_entropy.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
     return rows, plan
 

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from . import stats as S
-from .backend import ALPHA, BETA, DELTA, GAMMA
-from .options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
-from .runtime import f32_out_gemm, matmul_f32, mm_f32
+from ..core import stats as S
+from ..core.backend import ALPHA, BETA, DELTA, GAMMA
+from ..core.options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
+from ..core.runtime import f32_out_gemm, matmul_f32, mm_f32
 
 # Capabilities (the cce_dist.backend.Backend protocol).
 NAME = "torch"

@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import stats as S
-from .options import DistillationOptions
-from .torch_impl import (
+from ..core import stats as S
+from ..core.options import DistillationOptions
+from .torch_cross_entropy import (
     GradAccumulator,
     LogitsBlock,
     gemm_inputs,

@@ -22,14 +22,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from . import formulas
-from . import stats as S
-from .backend import Backend, Capabilities
-from .class_weight import ClassWeights, gamma_weights, sum_column
-from .options import CrossEntropyOptions, LogprobOptions
-from .parallel import Comm
+from ..core import formulas
+from ..core import stats as S
+from ..core.backend import Backend, Capabilities
+from ..core.class_weight import ClassWeights, gamma_weights, sum_column
+from ..core.options import CrossEntropyOptions, LogprobOptions
+from ..impl.torch_cross_entropy import fused_cross_entropy
+from ..tp.collectives import Comm
 from .prepare import autocast_available, to_dtype
-from .torch_impl import fused_cross_entropy
 
 B = TypeVar("B", bound=Capabilities)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import CommonOptions
-from .parallel import VocabShard
+from ..core.options import CommonOptions
+from ..core.shard import VocabShard
 
 __all__ = ["from_dtensor"]
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from .outputs import RowOutput, check_row_outputs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .parallel import VocabShard
+from .shard import VocabShard
 
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "torch", "triton"]
@@ -206,8 +204,6 @@ class LossOptions:
             raise ValueError(f"chunk_size must be None (auto) or a positive int, got {self.chunk_size!r}")
         _check_flag("deterministic", self.deterministic)
         if self.shard is not None:
-            from .parallel import VocabShard
-
             if not isinstance(self.shard, VocabShard):
                 raise TypeError(f"shard must be a cce_dist.VocabShard or None, got {type(self.shard).__name__}")
 

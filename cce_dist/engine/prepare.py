@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import distill_torch, torch_impl
-from .backend import Backend, DistillBackend
-from .options import CommonOptions, CrossEntropyOptions, LogprobOptions, Reduction
+from ..core.backend import Backend, DistillBackend
+from ..core.options import CommonOptions, CrossEntropyOptions, LogprobOptions, Reduction
+from ..impl import torch_cross_entropy, torch_distill
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .parallel import VocabShard
+    from ..core.shard import VocabShard
 
 __all__ = [
     "Prepared",
@@ -354,15 +354,15 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
     the bias, or 0) always runs the torch implementation: its GEMMs handle the empty projection, the kernels do not
     (the check that ``impl='triton'`` can run still applies)."""
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
-        return torch_impl
+        return torch_cross_entropy
     if hidden_dim == 0:
         resolve_backend(impl, device)  # same errors as for a non-empty projection
-        return torch_impl
+        return torch_cross_entropy
     try:
-        from . import kernels
+        from .. import kernels
     except ImportError as e:  # triton missing
         if impl == "auto":
-            return torch_impl
+            return torch_cross_entropy
         raise RuntimeError(f"impl='triton' needs triton installed (pip install triton): {e}") from e
     reason = kernels.unsupported()
     if impl == "auto":
@@ -371,8 +371,8 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
                 f"cce_dist: {reason}; impl='auto' uses the torch implementation (install a Triton in that range, "
                 "or pass impl='torch' to silence this)"
             )
-            return torch_impl
-        return kernels if kernels.available() else torch_impl
+            return torch_cross_entropy
+        return kernels if kernels.available() else torch_cross_entropy
     if reason is not None:
         raise RuntimeError(f"impl='triton': {reason}; install a Triton in that range or use impl='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -388,11 +388,11 @@ def resolve_distill_backend(impl: str, device: torch.device, hidden_dim: int) ->
     to the kernels (with its errors where they cannot run), else :mod:`cce_dist.distill_torch`. ``"auto"`` takes the
     torch implementation on every device: the distillation kernels have been checked in Triton's interpreter and
     compiled for GPU targets, not yet timed on one. ``hidden_dim``: the smaller head's hidden size."""
-    if impl != "triton" or resolve_backend(impl, device, hidden_dim) is torch_impl:
-        return distill_torch
-    from . import distill_triton
+    if impl != "triton" or resolve_backend(impl, device, hidden_dim) is torch_cross_entropy:
+        return torch_distill
+    from ..impl import triton_distill
 
-    return distill_triton
+    return triton_distill
 
 
 def check_row_stats_support(backend: Backend, needs: dict[str, bool], row_outputs: tuple[str, ...]) -> None:

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import stats as S
-from . import torch_impl
+from ..core import stats as S
+from ..core.backend import Backend
+from ..core.options import CrossEntropyOptions, LogprobOptions
+from ..impl import torch_cross_entropy as torch_impl
 from .autograd import refuse_second_order
-from .backend import Backend
-from .options import CrossEntropyOptions, LogprobOptions
 from .prepare import backend_kwargs, check_target_range, is_dtensor, resolve_backend
 
 __all__ = ["OpsBackend", "check_compilable", "first_order", "implementation", "ops_backend"]

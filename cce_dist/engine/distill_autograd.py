@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.backend import DistillBackend
+from ..core.options import DistillationOptions
 from .autograd import HoldsGradients, Plan, finish_grads, hold, needed_input_grads, save, saved_inputs
-from .backend import DistillBackend
-from .options import DistillationOptions
 from .prepare import to_dtype
 
 DistillPlan = Plan[DistillBackend]
