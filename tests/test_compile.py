@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import cce_dist
-import cce_dist.compile  # noqa: F401  (registers the cce_dist:: ops)
+import cce_dist.engine.compile  # noqa: F401  (registers the cce_dist:: ops)
 
 V, D = 53, 16
 

@@ -31,11 +31,11 @@ pytest.importorskip("triton")
 from helpers import problem  # noqa: E402
 
 import cce_dist.kernels as K  # noqa: E402
-from cce_dist import torch_impl  # noqa: E402
-from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
-from cce_dist.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
-from cce_dist.stats import entropy as stats_entropy  # noqa: E402
-from cce_dist.stats import lse as stats_lse  # noqa: E402
+from cce_dist.core.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
+from cce_dist.core.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
+from cce_dist.core.stats import entropy as stats_entropy  # noqa: E402
+from cce_dist.core.stats import lse as stats_lse  # noqa: E402
+from cce_dist.impl import torch_cross_entropy  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -435,7 +435,7 @@ def test_grads_gamma_weights_match_oracle(i, schedule, filter_eps):
     _check_fp32_grads(got, ref)
     cpu = _cpu(h, w, b, t, lse, coef)
     need = dict(need_hidden=True, need_weight=True, need_bias=b is not None)
-    torch_got = torch_impl.grads(
+    torch_got = torch_cross_entropy.grads(
         *cpu, vocab_start=vs, softcap=softcap, temperature=temp, gamma_weights=gw, chunk_size=7 * v, **need
     )
     _check_fp32_grads(torch_got, ref)

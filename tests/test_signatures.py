@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 import cce_dist
-from cce_dist import api, distill, distill_torch, parallel, torch_impl
-from cce_dist import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
-from cce_dist.backend import Backend
-from cce_dist.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from cce_dist import api, distill
+from cce_dist.core.backend import Backend
+from cce_dist.core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from cce_dist.engine import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
+from cce_dist.impl import torch_cross_entropy, torch_distill
+from cce_dist.tp import collectives
 
 PKG = Path(cce_dist.__file__).parent
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -99,7 +101,7 @@ def test_module_takes_the_options_fields():
 
 
 def _backends():
-    out = [torch_impl]
+    out = [torch_cross_entropy]
     try:
         from cce_dist import kernels
     except ImportError:
@@ -245,13 +247,13 @@ def test_logit_tile_calls_pass_its_parameters_in_order():
 @pytest.mark.parametrize("fn", ["forward", "grads"])
 def test_distill_implementations_take_the_protocols_arguments(fn):
     """Both distillation implementations take exactly the DistillBackend protocol's arguments (mypy checks the types
-    where cce_dist.prepare.resolve_distill_backend returns them)."""
-    from cce_dist import distill_triton
-    from cce_dist.backend import DistillBackend
+    where cce_dist.engine.prepare.resolve_distill_backend returns them)."""
+    from cce_dist.core.backend import DistillBackend
+    from cce_dist.impl import triton_distill
 
     protocol = _params(getattr(DistillBackend, fn), drop_self=True)
-    assert _params(getattr(distill_torch, fn)) == protocol
-    assert _params(getattr(distill_triton, fn)) == protocol
+    assert _params(getattr(torch_distill, fn)) == protocol
+    assert _params(getattr(triton_distill, fn)) == protocol
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,9 +271,9 @@ def _calls(path: Path, name: str):
 
 
 def test_every_loss_reaches_the_handshake_through_the_driver():
-    """One call of parallel.handshake in the package, in driver.py (every loss runs the driver), with every keyword by
-    name; the keywords have no defaults, so mypy also reports a missing one."""
-    sig = inspect.signature(parallel.handshake)
+    """One call of tp.collectives.handshake in the package, in engine/driver.py (every loss runs the driver), with every
+    keyword by name; the keywords have no defaults, so mypy also reports a missing one."""
+    sig = inspect.signature(collectives.handshake)
     keywords = [p.name for p in sig.parameters.values() if p.kind == KEYWORD_ONLY]
     assert all(sig.parameters[k].default is inspect.Parameter.empty for k in keywords)
     sites = {p.name: _calls(p, "handshake") for p in PKG.rglob("*.py")}
@@ -287,7 +289,8 @@ def test_every_loss_runs_the_driver():
     no other module builds a Plan."""
     import torch
 
-    from cce_dist import driver, linear_cross_entropy, linear_distillation, linear_logprobs
+    from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs
+    from cce_dist.engine import driver
 
     forms = []
     real = driver.plan_call
