@@ -143,13 +143,13 @@ def test_kernels_row_stats_and_grads_are_the_kernel_functions():
 PLAN_EXTRA = [("props", KEYWORD_ONLY, None), ("allow_tf32", KEYWORD_ONLY, None)]
 
 
-def test_backward_plan_takes_grads_arguments():
-    """kernels.backward.plan: grads()'s parameters plus the device record and the TF32 switch, after the public
+def test_backward_plan_grads_takes_grads_arguments():
+    """kernels.backward.plan_grads: grads()'s parameters plus the device record and the TF32 switch, after the public
     keywords."""
     pytest.importorskip("triton")
     from cce_dist.kernels import backward
 
-    assert _params(backward.plan) == _insert_after(_params(backward.grads), "gamma_weights", PLAN_EXTRA)
+    assert _params(backward.plan_grads) == _insert_after(_params(backward.grads), "gamma_weights", PLAN_EXTRA)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from .stats import MAX, SUMEXP, TARGET, entropy, mean_logit
+from .stats import lse as log_sum_exp
 
 
 def effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
@@ -26,7 +27,7 @@ def lse_residual(stats: torch.Tensor) -> torch.Tensor:
     ``lse`` is rounded at ulp(|lse|) (3.8e-6 at |lse| ~ 40): ``exp(z - lse)`` then carries that absolute error, and
     the target's ``1 - p`` of a confident row (p ~ 0.999) would be ~1e-3 relatively wrong, where the materialized
     program's ``(z - m) - log(s)`` is exact to a float32 rounding. :func:`fold_lse_residual` puts it back."""
-    m, log_s = stats[:, S.MAX], torch.log(stats[:, S.SUMEXP])
+    m, log_s = stats[:, MAX], torch.log(stats[:, SUMEXP])
     lse = m + log_s
     b_virtual = lse - m
     residual = (m - (lse - b_virtual)) + (log_s - b_virtual)
@@ -71,13 +72,13 @@ def cross_entropy_rows(
     ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.class_weight`), with the SUM column
     holding ``sum_j w_j z_j``: ``loss = (1-eps)*w_t*(lse - z_t) + eps*((W/V)*lse - mean_j w_j z_j) + z_loss*lse**2``.
     """
-    lse = S.lse(stats)
-    loss = (stats[:, S.MAX] - stats[:, S.TARGET]) + torch.log(stats[:, S.SUMEXP])
+    lse = log_sum_exp(stats)
+    loss = (stats[:, MAX] - stats[:, TARGET]) + torch.log(stats[:, SUMEXP])
     if class_weights is not None:
         loss = class_weights[0] * loss
     label_smoothing = effective_smoothing(label_smoothing, vocab_size)
     if label_smoothing:
-        smooth = (lse if class_weights is None else class_weights[1] * lse) - S.mean_logit(stats, vocab_size)
+        smooth = (lse if class_weights is None else class_weights[1] * lse) - mean_logit(stats, vocab_size)
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse
@@ -130,8 +131,8 @@ def cross_entropy_coef(
 
 def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row logprob of the target and entropy, ``float32 [N]``; 0 where ``valid`` is False."""
-    lp = (stats[:, S.TARGET] - stats[:, S.MAX]) - torch.log(stats[:, S.SUMEXP])  # exact near 0 (lse_residual)
-    ent = S.entropy(stats)
+    lp = (stats[:, TARGET] - stats[:, MAX]) - torch.log(stats[:, SUMEXP])  # exact near 0 (lse_residual)
+    ent = entropy(stats)
     zero = torch.zeros_like(lp)
     return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
 
@@ -139,7 +140,7 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None
 ) -> torch.Tensor:
-    """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - S.lse(stats))``, the
+    """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - log_sum_exp(stats))``, the
     float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.backend`; at the target the
     logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
 
@@ -152,7 +153,7 @@ def logprob_coef(
     ent_term = zero  # -g_ent * H: the part of ALPHA the target's term keeps (BETA = ALPHA + g_lp, formed exactly)
     if g_entropy is not None:
         g_ent = torch.where(valid, g_entropy.float(), zero)
-        ent_term = -torch.where(g_ent != 0, g_ent * S.entropy(stats), zero)
+        ent_term = -torch.where(g_ent != 0, g_ent * entropy(stats), zero)
         coef[:, DELTA] = -g_ent
     coef[:, ALPHA] = ent_term - g_lp
     coef[:, BETA] = ent_term

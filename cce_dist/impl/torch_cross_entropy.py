@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..core import stats as S
 from ..core.backend import ALPHA, BETA, DELTA, GAMMA
 from ..core.options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
 from ..core.runtime import f32_out_gemm, matmul_f32, mm_f32
+from ..core.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET, empty_stats, safe_max
 
 # Capabilities (the cce_dist.backend.Backend protocol).
 NAME = "torch"
@@ -146,30 +146,30 @@ def _chunk_stats(
     """
     v_local, n = z.shape
     if v_local == 0:
-        return S.empty_stats(n, device=z.device)
-    out = z.new_zeros(n, S.NUM_STATS)
+        return empty_stats(n, device=z.device)
+    out = z.new_zeros(n, NUM_STATS)
     rows, cols = target_cols(targets, vocab_start, v_local)
-    out[cols, S.TARGET] = z[rows, cols]
+    out[cols, TARGET] = z[rows, cols]
     if need_sum:  # sum_j z_j * 2**-32 as one GEMV: each term is scaled before it is accumulated
-        out[:, S.SUM] = torch.mv(z.t(), z.new_full((v_local,), S.SUM_SCALE))
+        out[:, SUM] = torch.mv(z.t(), z.new_full((v_local,), SUM_SCALE))
     if need_argmax:  # torch.argmax: the first (lowest) id of the max; as float32, exact below 2**24
-        out[:, S.ARGMAX] = z.argmax(0).float() + vocab_start
+        out[:, ARGMAX] = z.argmax(0).float() + vocab_start
     m = z.amax(0)
-    out[:, S.MAX] = m
-    z.sub_(S.safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, not -inf - -inf = NaN
+    out[:, MAX] = m
+    z.sub_(safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, not -inf - -inf = NaN
     if need_sumsq:  # sum_j exp(2 (z_j - m))
-        out[:, S.SUMSQ] = torch.exp(2.0 * z).sum(0)
+        out[:, SUMSQ] = torch.exp(2.0 * z).sum(0)
     if need_entropy:
         ex = torch.exp(z)
-        out[:, S.SUMEXP] = ex.sum(0)
+        out[:, SUMEXP] = ex.sum(0)
         ent = ex.mul_(z).sum(0)
         bad = torch.nonzero(torch.isnan(ent), as_tuple=True)[0]
         if bad.numel():  # a -inf logit (p = 0) gave 0 * -inf: its term is 0 (NaN logits stay NaN)
             zb = z[:, bad]
             ent[bad] = torch.where(torch.isneginf(zb), 0.0, torch.exp(zb) * zb).sum(0)
-        out[:, S.ENTROPY] = ent
+        out[:, ENTROPY] = ent
     else:
-        out[:, S.SUMEXP] = z.exp_().sum(0)
+        out[:, SUMEXP] = z.exp_().sum(0)
     return out
 
 
@@ -194,7 +194,7 @@ def row_stats(
     columns (else left 0).
     """
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
-    out = S.empty_stats(n_tokens, device=hidden.device)
+    out = empty_stats(n_tokens, device=hidden.device)
     if n_tokens == 0 or v_local == 0:
         return out
     hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
@@ -451,7 +451,7 @@ def fused_cross_entropy(
         z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
         local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
         if sum_column is not None:
-            local[:, S.SUM] = sum_column[sl]
+            local[:, SUM] = sum_column[sl]
         glob = reduce_stats(local) if reduce_stats is not None else local
         loss[sl], lse[sl] = rows_fn(glob, sl)
         if acc.dh is None and acc.dw is None and acc.db is None:
@@ -460,7 +460,7 @@ def fused_cross_entropy(
         # roundings, where exp(m_local - lse) would carry the rounding of lse (an ulp of the logits' magnitude)
         c = coef_fn(lse[sl], sl) * row_grad
         inactive = _inactive_rows(c)
-        p_scale = torch.exp(local[:, S.MAX] - glob[:, S.MAX]) / glob[:, S.SUMEXP]
+        p_scale = torch.exp(local[:, MAX] - glob[:, MAX]) / glob[:, SUMEXP]
         dz = _finish_dz(
             z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale, gamma_weights=gamma_weights
         )

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..core import stats as S
-from . import torch_distill as DT
+from ..core.stats import NUM_STATS
+from . import torch_distill
 
 Tensor = torch.Tensor
 
@@ -32,7 +32,7 @@ ROW_STATS_OPTIONS: frozenset[str] = frozenset()
 GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
-class Heads(DT.Heads):
+class Heads(torch_distill.Heads):
     """:class:`cce_dist.distill_torch.Heads` with the tensors left in their compute dtypes (the kernels
     round each head's logits to it themselves; no float32 copies for the CPU GEMMs)."""
 
@@ -99,7 +99,7 @@ def forward(
     grads_wanted = row_grad is not None and any(need)
     if n == 0:  # the same on every rank of a group (the token count is global): no collective
         none = torch.zeros(0, dtype=torch.float32, device=dev)
-        stats, rows = none.new_zeros(0, k, S.NUM_STATS), none.new_zeros(0, heads.n_rows)
+        stats, rows = none.new_zeros(0, k, NUM_STATS), none.new_zeros(0, heads.n_rows)
         out = _grads(heads, stats, rows, none, need, deterministic) if grads_wanted else (None, None, None)
         return (none, stats, rows) + tuple(out)
     kd = _kd()
@@ -107,7 +107,7 @@ def forward(
     local, slabs = kd.stats(
         *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, cross=cross, **_geometry(heads)
     )  # [k, n, NUM_STATS]
-    stats = reduce_stats(local.reshape(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS).transpose(0, 1)
+    stats = reduce_stats(local.reshape(k * n, NUM_STATS)).view(k, n, NUM_STATS).transpose(0, 1)
     if cross is not None:
         local_rows = kd.cross_rows(slabs, stats, cross=cross)
     else:  # the JSD's log M needs both heads' global statistics: a second pass over the tiles
@@ -115,7 +115,7 @@ def forward(
             *_tensors(heads), kd.norms(stats), divergence=o.divergence, beta=o.beta, **_geometry(heads)
         )
     rows = reduce_rows(local_rows)
-    loss = DT.loss_rows(heads, stats, rows, slice(None))
+    loss = torch_distill.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None
     if row_grad is not None and grads_wanted:
         g = torch.where(heads.valid, row_grad, 0.0).float()

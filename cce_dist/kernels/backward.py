@@ -302,10 +302,10 @@ def _add_products(
             )
 
 
-# The four kernels take the shared parameters in one order (plan() builds their arguments from the same pieces;
-# tests/test_signatures.py's test_kernel_parameter_lists_agree checks the order, and tests/test_aot_compile.py compiles
-# every launch plan() builds): each names what it reads and passes the shared part on to the helpers as written out
-# above.
+# The four kernels take the shared parameters in one order (plan_grads() builds their arguments from the same
+# pieces; tests/test_signatures.py's test_kernel_parameter_lists_agree checks the order, and tests/test_aot_compile.py
+# compiles every launch plan_grads() builds): each names what it reads and passes the shared part on to the helpers as
+# written out above.
 @triton.jit
 def _grads_fused_kernel(
     H,
@@ -394,7 +394,7 @@ def _grads_fused_kernel(
 
 
 # Its parameter list is _grads_fused_kernel's, with the dz scratch and the db partial sums in place of the gradients
-# (plan() builds both from the same pieces; test_kernel_parameter_lists_agree in tests/test_signatures.py).
+# (plan_grads() builds both from the same pieces; test_kernel_parameter_lists_agree in tests/test_signatures.py).
 @triton.jit
 def _dz_store_kernel(
     H,
@@ -703,7 +703,7 @@ def _chunked_launches(
     those dW rows may stay in L2),
     ``dH[rows] += dz @ W[chunk]`` (fp32), ``db[chunk] (+)=`` the column sums of the block's token
     tiles. No atomics; every sum runs in a fixed order, so results are bitwise repeatable.
-    ``max_rows``: see :func:`plan`'s ``_chunk_rows``."""
+    ``max_rows``: see :func:`plan_grads`'s ``_chunk_rows``."""
     n, v = hidden.shape[0], weight.shape[0]
     bn, bv = flags["BLOCK_N"], flags["BLOCK_V"]
     dz_flags = {k: val for k, val in flags.items() if k != "BLOCK_D_OUT"}
@@ -752,7 +752,7 @@ def _chunked_launches(
 
 
 def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> None:
-    """The debug line naming the backward schedule :func:`plan` chose, why, its config and its GEMM path."""
+    """The debug line naming the backward schedule :func:`plan_grads` chose, why, its config and its GEMM path."""
     n, v = hidden.shape[0], weight.shape[0]
     extra = ""
     if schedule == "chunked":
@@ -908,10 +908,10 @@ def _owner_launches(common, scalars, flags, dh, dw, db, props, tuned, launch):
     return launches
 
 
-# plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
+# plan_grads() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
 # from the device and torch), and grads() passes them on: test_backward_plan_takes_grads_arguments in
 # tests/test_signatures.py compares the two signatures.
-def plan(
+def plan_grads(
     hidden,
     weight,
     bias,
@@ -1056,7 +1056,7 @@ def grads(
         if gamma_weights.shape != (weight.shape[0],):
             raise ValueError(f"gamma_weights must be [V_local] = [{weight.shape[0]}], got {tuple(gamma_weights.shape)}")
         gamma_weights = gamma_weights.to(torch.float32).contiguous()
-    dh, dw, db, launches = plan(
+    dh, dw, db, launches = plan_grads(
         hidden,
         weight,
         bias,

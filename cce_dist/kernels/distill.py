@@ -1027,7 +1027,7 @@ def plan_stats(
     """Pass 1 without launching: ``((kernel, grid, args, kwargs), out [splits, k, N, NUM_STATS])``.
 
     Works on ``meta`` tensors (tests/test_aot_compile.py compiles exactly this launch for ``props``).
-    Arguments as in :func:`stats`; ``props`` / ``allow_tf32`` as in :func:`.forward.plan`."""
+    Arguments as in :func:`stats`; ``props`` / ``allow_tf32`` as in :func:`.forward.plan_row_stats`."""
     ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
     k = 3 if hard else 2
     splits = ln.splits(_splits)

@@ -212,8 +212,8 @@ def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _tuned_kernel(configs: list[_config.FwdConfig]):
-    """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan` picked for the
-    device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
+    """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan_row_stats` picked
+    for the device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
     key = tuple(configs)
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(configs=[_triton_config(c) for c in configs], key=["D", "V"])(_row_stats_kernel)
@@ -262,8 +262,8 @@ def _splits_of(n: int, v: int, props, splits) -> Callable[[_config.FwdConfig], i
 
 
 def _flags(dtype, has_bias: bool, has_softcap: bool, has_temp: bool, needs: dict, precision: str) -> dict:
-    """The kernel's constexpr keyword arguments (``needs``: plan's ``need_*`` values by name), plus the FP-fusion
-    compile option outside the interpreter."""
+    """The kernel's constexpr keyword arguments (``needs``: plan_row_stats's ``need_*`` values by name), plus the
+    FP-fusion compile option outside the interpreter."""
     flags = dict(
         HAS_BIAS=has_bias,
         HAS_SOFTCAP=has_softcap,
@@ -281,7 +281,7 @@ def _flags(dtype, has_bias: bool, has_softcap: bool, has_temp: bool, needs: dict
     return flags
 
 
-def plan(
+def plan_row_stats(
     hidden,
     weight,
     bias,
@@ -347,7 +347,7 @@ def plan(
     return args, flags, configs, splits_of, out
 
 
-# row_stats takes plan's arguments (less the AOT-only props / allow_tf32) and passes them on.
+# row_stats takes plan_row_stats's arguments (less the AOT-only props / allow_tf32) and passes them on.
 def row_stats(
     hidden,
     weight,
@@ -385,7 +385,7 @@ def row_stats(
         return empty_stats(n, device)
 
     targets = targets.to(torch.int64)
-    args, flags, configs, splits_of, out = plan(
+    args, flags, configs, splits_of, out = plan_row_stats(
         hidden,
         weight,
         bias,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core import stats as S
+from ..core import stats
 from ..core.shard import VocabShard
 
 #: ``stats_collective="auto"`` all-gathers the raw statistics (one round trip, P * 5 floats per row
@@ -337,23 +337,23 @@ class Comm:
         if method == "allgather":
             out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
             dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
-            return S.combine_stack(out)
+            return stats.combine_stack(out)
         if extras:
-            key = max_id_key(local[:, S.MAX], local[:, S.ARGMAX])
+            key = max_id_key(local[:, stats.MAX], local[:, stats.ARGMAX])
             dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
             m, ids = from_max_id_key(key)
         else:
-            m = local[:, S.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
+            m = local[:, stats.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
-            ids = local[:, S.ARGMAX]
-        r = S.rescale(local, m)
-        cols = list(S.ADDITIVE if extras else (S.SUMEXP, S.TARGET, S.SUM, S.ENTROPY))
+            ids = local[:, stats.ARGMAX]
+        r = stats.rescale(local, m)
+        cols = list(stats.ADDITIVE if extras else (stats.SUMEXP, stats.TARGET, stats.SUM, stats.ENTROPY))
         rest = r[:, cols].contiguous()
         dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
         out = r
         out[:, cols] = rest
-        out[:, S.MAX] = m
-        out[:, S.ARGMAX] = ids
+        out[:, stats.MAX] = m
+        out[:, stats.ARGMAX] = ids
         return out
 
     def _group_shard(self) -> VocabShard | None:
