@@ -7,7 +7,7 @@ With ``w [V]`` (the full vocabulary's weights), ``t`` the target, ``eps`` the la
 
 Two pieces:
 
-- the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.formulas`); every
+- the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.core.formulas`); every
   rank holds ``w`` whole, so it is read without a collective;
 - the smoothing term's weighted logit sum ``sum_j w_j z_ij`` travels in the statistics' SUM column, which the
   exchange already sums over the ranks (:func:`weighted_logit_sum`: without a softcap it is linear in the hidden
@@ -50,7 +50,7 @@ class ClassWeights:
 
     @property
     def terms(self) -> tuple[Tensor, Tensor]:
-        """``(w_t, W / V)`` as :func:`cce_dist.formulas.cross_entropy_rows` takes them."""
+        """``(w_t, W / V)`` as :func:`cce_dist.core.formulas.cross_entropy_rows` takes them."""
         return self.rows, self.mean
 
     @classmethod

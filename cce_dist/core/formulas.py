@@ -1,7 +1,7 @@
 """Per-row outputs and gradient coefficients, as functions of the (global) row statistics.
 
 Pure elementwise torch on ``[N]`` vectors: shared by every implementation and by the
-single-device and vocab-parallel paths. See :mod:`cce_dist.backend` for the coefficient layout.
+single-device and vocab-parallel paths. See :mod:`cce_dist.core.backend` for the coefficient layout.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
 
 
 def lse_residual(stats: torch.Tensor) -> torch.Tensor:
-    """``float32 [N]``: what the float32 ``lse = m + log(s)`` of :func:`cce_dist.stats.lse` rounds away, i.e.
+    """``float32 [N]``: what the float32 ``lse = m + log(s)`` of :func:`cce_dist.core.stats.lse` rounds away, i.e.
     ``(m + log(s)) - lse`` (0 where ``lse`` is not finite), exact by Knuth's two-sum.
 
     ``lse`` is rounded at ulp(|lse|) (3.8e-6 at |lse| ~ 40): ``exp(z - lse)`` then carries that absolute error, and
@@ -35,7 +35,7 @@ def lse_residual(stats: torch.Tensor) -> torch.Tensor:
 
 
 def fold_lse_residual(coef: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The coefficients (layout: :mod:`cce_dist.backend`) that give, from the float32 ``lse``, the gradient of the
+    """The coefficients (layout: :mod:`cce_dist.core.backend`) that give, from the float32 ``lse``, the gradient of the
     exact ``lse + residual`` (``residual`` from :func:`lse_residual`); ``coef`` is not modified.
 
     With ``p = exp(z - lse)``, the exact probability is ``c * p`` (``c = exp(-residual)``) and the exact
@@ -69,7 +69,7 @@ def cross_entropy_rows(
     ``(m - z_t) + log(s)``: a confident row's loss (~1 - p) is then exact to a float32 rounding, as in the
     materialized ``log_softmax``, instead of carrying an ulp of the logits' magnitude.
 
-    ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.class_weight`), with the SUM column
+    ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.core.class_weight`), with the SUM column
     holding ``sum_j w_j z_j``: ``loss = (1-eps)*w_t*(lse - z_t) + eps*((W/V)*lse - mean_j w_j z_j) + z_loss*lse**2``.
     """
     lse = log_sum_exp(stats)
@@ -102,7 +102,7 @@ def cross_entropy_coef(
     backward that forms ``p = exp(z - lse)``. ``residual``: :func:`lse_residual` of the row statistics (folded in
     by :func:`fold_lse_residual`), or None where ``p`` is formed exactly otherwise (the fused torch path's
     ``exp(z - m) / s``). ``class_weights``: as in :func:`cross_entropy_rows`; GAMMA is then the factor of ``w_j``
-    (``-eps/V * g``, applied by :func:`cce_dist.class_weight.add_smoothing_grads`), and
+    (``-eps/V * g``, applied by :func:`cce_dist.core.class_weight.add_smoothing_grads`), and
     ``ALPHA = g*((1-eps)*w_t + eps*W/V + 2*zl*lse)``, ``BETA = g*(eps*W/V + 2*zl*lse)``."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
@@ -141,8 +141,8 @@ def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None
 ) -> torch.Tensor:
     """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - log_sum_exp(stats))``, the
-    float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.backend`; at the target the
-    logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
+    float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.core.backend`; at the target
+    the logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
 
     Centred on lse (d H/d z_j = -p_j (z_j - lse + H)), no term is of the logits' magnitude: with
     absolute logits, ``g*E_p[z] - g*z`` cancelled and lost the logprob term at |z| ~ 1e37."""

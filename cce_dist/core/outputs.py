@@ -2,7 +2,7 @@
 
 ``row_outputs=`` of :func:`cce_dist.linear_cross_entropy` and :func:`cce_dist.linear_logprobs` asks for any of
 :data:`ROW_OUTPUTS`; the call then returns ``(its usual result, RowOutputs)``. Each is a function of the row
-statistics the loss gathers anyway (:mod:`cce_dist.stats`: the argmax travels with the max, ``sum exp(2 (z - m))``
+statistics the loss gathers anyway (:mod:`cce_dist.core.stats`: the argmax travels with the max, ``sum exp(2 (z - m))``
 beside ``sum exp(z - m)``), so under tensor parallelism they come from the same statistics exchange (no collective
 more), and nothing is formed when none is asked for. None is differentiable (as in TRL and Liger).
 

@@ -1,15 +1,15 @@
 """Knowledge distillation from two heads in token chunks: pure PyTorch, any device.
 
 Per token chunk both heads' logits are formed (transposed, ``[V_local, n]`` float32, as in
-:mod:`cce_dist.torch_impl`), never a ``[N, V]`` block. Two passes over the chunk's logits:
+:mod:`cce_dist.impl.torch_cross_entropy`), never a ``[N, V]`` block. Two passes over the chunk's logits:
 
-1. row statistics (:mod:`cce_dist.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
+1. row statistics (:mod:`cce_dist.core.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
    logits, the teacher's soft logits and, with a hard-label term, the student's logits at T=1,
    stacked ``[k * n, NUM_STATS]`` and combined over the group by ``reduce_stats``
-   (:meth:`cce_dist.parallel.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global max and sum;
+   (:meth:`cce_dist.tp.collectives.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global max and sum;
 2. with the global statistics every element's ``log p`` is known, so the divergence's per-row sums
    (and the one auxiliary sum its gradient needs) are plain sums over vocab entries, combined by
-   ``reduce_rows`` (:meth:`cce_dist.parallel.Comm.reduce_sum`).
+   ``reduce_rows`` (:meth:`cce_dist.tp.collectives.Comm.reduce_sum`).
 
 With ``ls = log p_s``, ``lt = log p_t`` (soft: logits / T) the per-row divergences and the
 gradients w.r.t. the student's soft logits ``z_s`` are
@@ -44,7 +44,7 @@ e.g. -4.4 at T=0.05, while ``p1`` is still sizable there). The raw logits' gradi
 is then chained through ``1/T`` and the softcap. Backward (per-row upstream gradients) recomputes
 a chunk from the saved global statistics and rows: no collective but the caller's dH reduction.
 
-No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
+No autograd and no torch.distributed here: :mod:`cce_dist.engine.distill_autograd` passes the callbacks.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from .torch_cross_entropy import (
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.backend.DistillBackend
+# the capabilities of cce_dist.core.backend.DistillBackend
 NAME = "torch"
 FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients while the chunk's logits are held
 SUPPORTS_FILTERING = False
@@ -114,7 +114,7 @@ class Heads:
 
 
 class _Buffers:
-    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl.LogitsBlock`),
+    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_cross_entropy.LogitsBlock`),
     made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four; a gradient with a
     hard-label term at T != 1 one more (``p1``)."""
 
@@ -132,7 +132,7 @@ class _Buffers:
 
 def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
     """MAX and SUMEXP of ``z [V, n]`` into ``out [n, NUM_STATS]``; ``z -= max`` in place (0 for a row max of -inf:
-    :func:`cce_dist.stats.safe_max`), ``e = exp(z)``.
+    :func:`cce_dist.core.stats.safe_max`), ``e = exp(z)``.
 
     Returns the row max (subtracted from ``z``)."""
     m = z.amax(0)
@@ -144,7 +144,7 @@ def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
 
 
 def _normalizers(m: Tensor, glob: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`cce_dist.stats.normalizers` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
+    """:func:`cce_dist.core.stats.normalizers` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
     NUM_STATS]``: ``p = exp(z - m) * c``, ``log p = (z - m) + l`` (never through ``lse``: see the module docstring)."""
     return normalizers(m, glob)
 

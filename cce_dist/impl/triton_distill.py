@@ -1,6 +1,6 @@
 """Knowledge distillation from two heads with the Triton kernels (:mod:`cce_dist.kernels.distill`).
 
-The same contract as :mod:`cce_dist.distill_torch` (``Heads``, ``forward``, ``grads``: the same
+The same contract as :mod:`cce_dist.impl.torch_distill` (``Heads``, ``forward``, ``grads``: the same
 per-row statistics ``[N, k, NUM_STATS]``, per-row sums ``[N, n_rows]`` and float32 gradients),
 over all tokens at once instead of token chunks: the kernels hold one logit tile per head per
 program, never a ``[N, V]`` block, so there is nothing to chunk. A forward is one statistics
@@ -9,7 +9,7 @@ for the JSD a second launch (its ``log M`` needs both heads' global statistics),
 gradients are one launch that recomputes both heads' tiles from the global statistics and adds the products
 with float atomics, or with ``deterministic`` two launches without atomics (bitwise repeatable).
 
-No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
+No autograd and no torch.distributed here: :mod:`cce_dist.engine.distill_autograd` passes the callbacks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from . import torch_distill
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.backend.DistillBackend
+# the capabilities of cce_dist.core.backend.DistillBackend
 NAME = "triton"
 FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients after its statistics pass
 SUPPORTS_FILTERING = False
@@ -33,7 +33,7 @@ GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
 class Heads(torch_distill.Heads):
-    """:class:`cce_dist.distill_torch.Heads` with the tensors left in their compute dtypes (the kernels
+    """:class:`cce_dist.impl.torch_distill.Heads` with the tensors left in their compute dtypes (the kernels
     round each head's logits to it themselves; no float32 copies for the CPU GEMMs)."""
 
     def __post_init__(self) -> None:
@@ -79,8 +79,8 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     )
 
 
-# forward and grads: the cce_dist.backend.DistillBackend protocol, as distill_torch (mypy checks both modules against it
-# where cce_dist.prepare.resolve_distill_backend returns them).
+# forward and grads: the cce_dist.core.backend.DistillBackend protocol, as torch_distill (mypy checks both modules
+# against it where cce_dist.engine.prepare.resolve_distill_backend returns them).
 def forward(
     heads: Heads,
     step: int,
@@ -91,7 +91,7 @@ def forward(
     deterministic: bool = False,
 ):
     """``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)`` as
-    :func:`cce_dist.distill_torch.forward` (``step`` is not used: one pass over all tokens, so one
+    :func:`cce_dist.impl.torch_distill.forward` (``step`` is not used: one pass over all tokens, so one
     ``reduce_stats`` and one ``reduce_rows`` per call on every rank)."""
     o = heads.opts
     n, k = heads.hs.shape[0], heads.n_stats

@@ -1,7 +1,7 @@
 """Backward kernels: gradients w.r.t. hidden states, head weight and bias of one vocab shard,
 recomputing logit tiles from the global ``lse`` instead of storing logits or probabilities.
 
-For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coefficients):
+For a tile of rows I and vocab rows J (see :mod:`cce_dist.core.backend` for the coefficients):
 
     z, s  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
     p     = exp(z - lse_I)
@@ -675,7 +675,7 @@ def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias
 def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, str]:
     """``(fits, why)``: whether the chunked schedule can run (at any N: its row blocks keep the scratch within
     ``CHUNK_SCRATCH_BYTES``), and a reason for the log. On a CUDA device it needs that much memory available to an
-    allocation (:func:`cce_dist.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
+    allocation (:func:`cce_dist.core.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
     holds reserved but unused; the driver alone counts the allocator's cache as used, which in a warmed-up training
     loop would push every call onto the atomic schedule); and, for ``deterministic`` under
     ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""

@@ -1,12 +1,12 @@
 """Forward kernel: per-row statistics of the logits over one vocab shard, without materializing
-them. See :mod:`cce_dist.stats` for the statistics and :mod:`cce_dist.backend` for the contract.
+them. See :mod:`cce_dist.core.stats` for the statistics and :mod:`cce_dist.core.backend` for the contract.
 
 Tiling: program ``(pid_n, pid_s)`` owns the token tile ``pid_n`` and the ``pid_s``-th contiguous
 range of the shard's vocab rows (a "split"). It walks its range in ``BLOCK_V`` tiles, recomputes
 each logit tile with ``tl.dot`` (fp32 accumulation over ``BLOCK_D`` chunks of D), and folds it
 into running per-row statistics held in registers (online max / rescaled sums, as in flash
 attention). Each split writes one ``[N, 5]`` slab; when there is more than one split (small N on
-a big GPU: more programs for occupancy) the slabs are merged with :func:`cce_dist.stats.combine_stack`.
+a big GPU: more programs for occupancy) the slabs are merged with :func:`cce_dist.core.stats.combine_stack`.
 Extra memory: ``splits * N * 5`` floats.
 """
 
@@ -24,7 +24,7 @@ from cce_dist.core.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack
 from . import config as _config
 from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
 
-_SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.stats)
+_SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.core.stats)
 _FLOOR = tl.constexpr(-3.4028234663852886e38)  # the lowest finite float32: where the running max starts
 
 
@@ -142,7 +142,7 @@ def _row_stats_kernel(
         new_m = tl.maximum(m, tile_m)
         if NEED_ARGMAX:  # the tile's lowest id of its max; tiles come in increasing ids, so a tie keeps the earlier
             lane = tl.arange(0, BLOCK_V)  # int32 lanes: half the registers of the int64 offsets
-            # torch.argmax's rule (cce_dist.stats.holds_max): a NaN is the max, the first one wins (tl.max skips
+            # torch.argmax's rule (cce_dist.core.stats.holds_max): a NaN is the max, the first one wins (tl.max skips
             # NaN). One reduction: a NaN lane's key is lane - BLOCK_V (< 0), a lane of the max its lane.
             arg_key = tl.where(z_m == tile_m[:, None], lane[None, :], BLOCK_V)
             tile_arg = tl.min(tl.where(z_m != z_m, lane[None, :] - BLOCK_V, arg_key), axis=1)
@@ -367,11 +367,11 @@ def row_stats(
     """Per-row logit statistics of one vocab shard: ``float32 [N, NUM_STATS]``.
 
     ``hidden [N, D]``, ``weight [V_local, D]`` (same dtype: fp32/bf16/fp16), ``bias [V_local]`` or
-    None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.backend` for the exact definition.
+    None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.core.backend` for the exact definition.
     ``need_sum=False`` / ``need_entropy=False`` skip the SUM / ENTROPY statistics (their columns then
     carry no meaning): the cross-entropy without label smoothing reads neither, and the per-logit
     epilogue is about half as long without them. ``need_argmax`` / ``need_sumsq``: the row outputs' ARGMAX /
-    SUMSQ columns (:mod:`cce_dist.outputs`).
+    SUMSQ columns (:mod:`cce_dist.core.outputs`).
     ``_splits`` / ``_blocks`` (tests only) force the number of vocab splits and the
     ``(BLOCK_N, BLOCK_V, BLOCK_D)`` tiles.
     """

@@ -290,7 +290,7 @@ def max_id_key(m: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``int64 [n]`` keys whose maximum over ranks is the larger max and, on a tie, the lower id: the float32 max's
     bits, made monotone as a signed int32, in the high 32 bits; ``2**31 - 1 - id`` in the low ones (an id of +inf,
     an empty slice's, gives 0: it never wins a tie). Exact (:func:`from_max_id_key` recovers both). A NaN max (a
-    slice holding a NaN logit, :func:`cce_dist.stats.holds_max`) is one positive NaN, above +inf, whatever its sign
+    slice holding a NaN logit, :func:`cce_dist.core.stats.holds_max`) is one positive NaN, above +inf, whatever its sign
     and payload: the NaN slices win, the lowest NaN id among them (``torch.argmax``'s rule)."""
     m = m.float() + 0.0  # + 0.0: -0.0 becomes +0.0, which it equals
     bits = torch.where(torch.isnan(m), _NAN_BITS, m.contiguous().view(torch.int32))
