@@ -311,9 +311,9 @@ def main() -> None:
         "torch_default": ("torch_chunked", {}),
         "torch_best": ("torch_chunked", torch_opts(best_bcs)),
     }
-    import cce_dist.options
+    import cce_dist.core.options
 
-    payload["cce_default_chunk_size"] = cce_dist.options.DEFAULT_CHUNK_SIZE
+    payload["cce_default_chunk_size"] = cce_dist.core.options.DEFAULT_CHUNK_SIZE
     payload["main"] = compare(variants, N, D, V, "float32", repeats=repeats, log=log)
     save_partial(payload, env, started)
 

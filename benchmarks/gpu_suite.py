@@ -509,7 +509,7 @@ def correctness_run(ctx: Ctx, case: str) -> dict:
 
     import cce_dist
     import cce_dist.kernels as K
-    from cce_dist.backend import ALPHA, NUM_COEFS
+    from cce_dist.core.backend import ALPHA, NUM_COEFS
 
     r = _reference(ctx)
     h, w, t, valid = r["h"], r["w"], r["t"], r["valid"]
@@ -784,7 +784,7 @@ def kernels_run(ctx: Ctx, case: str) -> dict:
     import torch
 
     import cce_dist.kernels as K
-    from cce_dist.backend import ALPHA, NUM_COEFS
+    from cce_dist.core.backend import ALPHA, NUM_COEFS
 
     n, d, v = DRY_SHAPES[0] if ctx.dry else CORRECTNESS_SHAPE
     if "kin" not in ctx.cache:

@@ -56,8 +56,8 @@ def worker(rank, world, port, cfg, outdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import cce_dist
-    from cce_dist import stats as S
-    from cce_dist.parallel import Comm
+    from cce_dist.core import stats as S
+    from cce_dist.tp.collectives import Comm
 
     group = dist.group.WORLD
     counter = CollectiveLog().install()
@@ -305,7 +305,7 @@ def main() -> None:
     for tp in tps:
         log(f"tp={tp}")
         by_tp[str(tp)] = run(tp, cfg)
-    from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
+    from cce_dist.tp.collectives import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
 
     payload = {
         "env": env,

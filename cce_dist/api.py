@@ -1,10 +1,10 @@
-"""Public entry points of the one-head losses: each call runs the driver (:mod:`cce_dist.driver`: validate,
+"""Public entry points of the one-head losses: each call runs the driver (:mod:`cce_dist.engine.driver`: validate,
 handshake, plan), then its autograd Function.
 
-Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.prepare`. Under
+Validation, target ids, dtype, implementation and reduction live in :mod:`cce_dist.engine.prepare`. Under
 ``torch.compile`` (and on the meta device) the same steps run, traced: the driver, the autograd Function and the
-reduction; only the plan's backend differs, the custom ops of :mod:`cce_dist.compile` running the implementation the
-driver resolved. Every check and formula of the eager path holds there by construction.
+reduction; only the plan's backend differs, the custom ops of :mod:`cce_dist.engine.compile` running the
+implementation the driver resolved. Every check and formula of the eager path holds there by construction.
 
 Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer global ids).
 Under ``shard.sequence_parallel`` hidden holds this rank's slice of the first dimension:
@@ -45,8 +45,8 @@ Tensor = torch.Tensor
 
 
 def _through_ops(hidden) -> bool:
-    """Whether the call's backend is :mod:`cce_dist.compile`'s custom ops: under torch.compile, and on the meta device,
-    where their fake implementations give the outputs' and the gradients' shapes without computing."""
+    """Whether the call's backend is :mod:`cce_dist.engine.compile`'s custom ops: under torch.compile, and on the meta
+    device, where their fake implementations give the outputs' and the gradients' shapes without computing."""
     return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
 
 
@@ -110,7 +110,7 @@ def _class_weight_values(class_weight, rows: Prepared | None) -> tuple[tuple[str
 
 
 def _plan(call: Call) -> tuple[Prepared, Plan]:
-    """The driver's validation and plan (:func:`cce_dist.driver.plan_call`), then what the one-head losses check
+    """The driver's validation and plan (:func:`cce_dist.engine.driver.plan_call`), then what the one-head losses check
     against the vocabulary every rank agreed on: eager and compiled calls alike, before the loss is computed."""
     rows, plan = plan_call(call)
     opts = call.opts
@@ -134,7 +134,7 @@ def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: C
 
 
 def _integrations(hidden, weight, targets, bias, opts):
-    """Hooks for inputs that need translating first: DTensor heads (cce_dist.dtensor)."""
+    """Hooks for inputs that need translating first: DTensor heads (cce_dist.tp.dtensor)."""
     if is_dtensor(weight) or is_dtensor(hidden):
         from .tp.dtensor import from_dtensor
 

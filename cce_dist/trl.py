@@ -15,7 +15,7 @@ per-token scoring is cce_dist's.
 - The projection runs in TRL's compute dtype: the autocast dtype, else the hidden states' (the head is cast to it
   where they differ, as TRL's kernel does tile by tile).
 - ``tensor_parallel=True``: a head whose weight is a ``Shard(0)`` DTensor on a 1-D tensor-parallel mesh is scored
-  vocab-parallel (:mod:`cce_dist.dtensor`), without the ``full_tensor()`` gather TRL does for FSDP. Every rank of
+  vocab-parallel (:mod:`cce_dist.tp.dtensor`), without the ``full_tensor()`` gather TRL does for FSDP. Every rank of
   that mesh must score the same tokens (tensor parallelism, not FSDP's data-parallel shards); the handshake raises
   on every rank where they differ.
 

@@ -8,8 +8,8 @@ star-expanded ``tl.constexpr`` tuples that 3.8 accepts), so both compile everyth
 
 For each target (sm_80, sm_86, sm_90, sm_100, sm_120; see ``kernels.config.KNOWN_DEVICES``) a
 subprocess with ``TRITON_INTERPRET`` unset (conftest sets it for the interpreter tests) runs
-``python -m cce_dist.kernels.aot``: it asks the launchers' own ``plan()`` for the launches they
-would make on that device (config selection from the device record, the autotune candidates,
+``python -m cce_dist.kernels.aot``: it asks the launchers' own planners (``plan_row_stats`` / ``plan_grads``) for the
+launches they would make on that device (config selection from the device record, the autotune candidates,
 the launcher's argument handling on meta tensors of the CCE paper shape and of a ragged shape),
 and compiles each through the JIT launcher's specialization path with the target's backend
 (ptxas / ptxas-blackwell from the Triton wheel). The matrix covers bf16, fp16, fp32 with TF32 and

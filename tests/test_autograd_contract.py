@@ -9,7 +9,7 @@ Every path is one way of calling the library whose gradients come from a differe
 ``logprobs`` / ``entropy``  the RL form, per-token upstream gradients on logprob (and entropy)
 
 Each is run with the ``torch`` and the ``triton`` (interpreter) implementation, under ``torch.compile`` (the same
-Functions, traced, with cce_dist/compile.py's custom ops as their backend) and on a 2-rank gloo tensor-parallel
+Functions, traced, with cce_dist/engine/compile.py's custom ops as their backend) and on a 2-rank gloo tensor-parallel
 group, and checked against the materialized program (tests/oracle.py) computed in float64:
 
 - second-order gradients (``create_graph=True``, e.g. a gradient penalty) raise a clear error naming the feature and
@@ -124,8 +124,8 @@ def test_second_order_gradients_raise(path, impl):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_second_order_gradients_raise_under_compile(backend):
-    """Compiled (cce_dist/compile.py): run eagerly (backend="eager") the backward refuses create_graph=True with the
-    library's error (cce_dist::first_order: Dynamo traces the Functions' backward without grad mode); behind
+    """Compiled (cce_dist/engine/compile.py): run eagerly (backend="eager") the backward refuses create_graph=True with
+    the library's error (cce_dist::first_order: Dynamo traces the Functions' backward without grad mode); behind
     AOTAutograd (aot_eager, inductor) the compiled backward runs without grad mode, and torch's own error ("does not
     currently support double backward") is raised as soon as the second-order graph is differentiated, so the
     penalty never silently loses its term either way."""
@@ -254,7 +254,7 @@ def test_loss_scaling_torch(dtype_name, grad_in_forward):
 def test_loss_scaling_torch_native_low_precision_gemm(dtype_name, monkeypatch):
     """Same, with the GEMMs run in the head's dtype (as on a GPU or a CPU with native bf16/fp16 GEMMs), where the
     fused path rounds each chunk's logit gradient to that dtype before the upstream scale is known."""
-    import cce_dist.torch_impl as ti
+    import cce_dist.impl.torch_cross_entropy as ti
 
     monkeypatch.setattr(ti, "_native_low_precision_gemm", lambda dtype: True)
 

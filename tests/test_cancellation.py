@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import TRITON
 
-from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs, torch_impl
+from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs
+from cce_dist.impl import torch_cross_entropy
 
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="no cce_dist.kernels"))]
 U32 = 2.0**-24  # unit roundoff of float32
@@ -64,7 +65,7 @@ def test_dw_token_chunk_partials_accumulate_in_float32():
     coef = torch.zeros(n, 4)
     sign = torch.where((torch.arange(n) // 3) % 2 == 0, 1.0, -1.0)  # alternate sign per chunk
     coef[:, 0] = sign  # ALPHA
-    _, dw, _ = torch_impl.grads(
+    _, dw, _ = torch_cross_entropy.grads(
         h,
         w,
         None,

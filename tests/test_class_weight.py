@@ -6,7 +6,7 @@ and the z-loss is averaged over the counted tokens (Liger's reference). Checked:
 hidden, weight and bias, for the torch implementation (scalar losses formed in forward and in backward), the Triton
 kernels (interpreter), the compiled op and a vocab-parallel group (2 gloo ranks, uneven shards, both statistics
 collectives, sequence parallelism); the label-smoothing term with and without a softcap (two different
-constructions, :mod:`cce_dist.class_weight`); the weights that make it the unweighted loss; a batch whose targets all
+constructions, `cce_dist.core.class_weight`); the weights that make it the unweighted loss; a batch whose targets all
 weigh 0; every bad input before any collective, on every rank. Liger's own cases for class weights, token accuracy
 and predicted tokens (its tests/transformers/test_fused_linear_cross_entropy.py parameters) run at the end.
 

@@ -3,9 +3,9 @@ driver, autograd Functions and formulas as eager, and only the backend's two pri
 
 - Every option of both losses: the compiled forward and every gradient equal the eager two-pass path's bit for bit
   (``grad_in_forward=False``: the compiled path never forms gradients in forward).
-- A formula of :mod:`cce_dist.formulas` changed at run time changes the compiled result exactly as it changes the
+- A formula of :mod:`cce_dist.core.formulas` changed at run time changes the compiled result exactly as it changes the
   eager one: the compiled path has no copy of its own.
-- compile.py defines no loss formula: it does not import :mod:`cce_dist.formulas` nor the class-weight terms.
+- compile.py defines no loss formula: it does not import :mod:`cce_dist.core.formulas` nor the class-weight terms.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import cce_dist
-from cce_dist import compile as C
-from cce_dist import formulas
+from cce_dist.core import formulas
+from cce_dist.engine import compile as C
 
 V, D, N = 29, 8, 12
 
@@ -146,7 +146,7 @@ def _doubled(fn, index=None):
     ],
 )
 def test_a_changed_formula_changes_compiled_and_eager_alike(monkeypatch, formula, index, loss, kw):
-    """Proof that the compiled path runs cce_dist.formulas (through the autograd Functions), not a copy: doubling a
+    """Proof that the compiled path runs cce_dist.core.formulas (through the autograd Functions), not a copy: doubling a
     formula's output doubles the same values on both paths, which still agree bit for bit."""
     torch._dynamo.reset()
     h, w, b, t = _inputs()

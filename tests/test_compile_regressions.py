@@ -12,7 +12,7 @@ import torch
 
 import cce_dist
 from cce_dist import api, distill
-from cce_dist import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
+from cce_dist.engine import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. predicted / is_top1 beyond 2**24 ids: the same refusal as eager
@@ -101,7 +101,7 @@ def test_entry_points_pass_each_option_under_its_own_name(module):
 
 
 def test_from_keywords_takes_exactly_the_fields():
-    from cce_dist.options import LogprobOptions
+    from cce_dist.core.options import LogprobOptions
 
     fields = {name: getattr(LogprobOptions(), name) for name in LogprobOptions.FIELD_NAMES}
     assert LogprobOptions.from_keywords(**fields) == LogprobOptions()

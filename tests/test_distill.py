@@ -305,7 +305,7 @@ def test_input_errors():
 @pytest.mark.parametrize("div,blocks", [("kl", 3), ("reverse_kl", 4), ("jsd", 4)])
 def test_chunk_buffers_are_chunk_sized(monkeypatch, div, blocks):
     """Each call holds a few [V_local, step] float32 blocks (3 for the forward KL), never [N, V]."""
-    import cce_dist.distill_torch as DTM
+    import cce_dist.impl.torch_distill as DTM
 
     made = []
 

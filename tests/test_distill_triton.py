@@ -188,7 +188,7 @@ def test_splits_and_tiles_agree_with_the_oracle():
     """Kernel level: the statistics, the KLs' cross sums (formed in the statistics pass, relative to
     running maxima that move from tile to tile) and the JSD's per-row sums of 1, 2 and 3 vocab splits
     (and a second tile shape) are the oracle's, so the merge of split slabs is exercised."""
-    from cce_dist import stats as S
+    from cce_dist.core import stats as S
     from cce_dist.kernels import distill as KD
 
     sh, sw, sb, th, tw, tb, t = (x.detach() if x is not None else x for x in _problem(seed=4))

@@ -171,8 +171,8 @@ def test_dtensor_head_world2(rank_pool, vocab, section):
 
 
 def test_from_dtensor_passes_plain_tensors_through():
-    from cce_dist.dtensor import from_dtensor
-    from cce_dist.options import CrossEntropyOptions
+    from cce_dist.core.options import CrossEntropyOptions
+    from cce_dist.tp.dtensor import from_dtensor
 
     h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
     opts = CrossEntropyOptions()

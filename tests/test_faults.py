@@ -384,13 +384,13 @@ def _die(rank, out_dir, where):
 
 
 def _die_between_stat_allreduces(rank, out_dir, where):
-    import cce_dist.stats as S
+    import cce_dist.core.stats as S
 
     S.rescale = lambda *a, **k: _die(rank, out_dir, where)  # called after the MAX, before the SUM
 
 
 def _die_in_second_reduce_stats(rank, out_dir, where):
-    import cce_dist.parallel as P
+    import cce_dist.tp.collectives as P
 
     orig, calls = P.Comm.reduce_stats, []
 
@@ -404,7 +404,7 @@ def _die_in_second_reduce_stats(rank, out_dir, where):
 
 
 def _die_before_dh_allreduce(rank, out_dir, where):
-    import cce_dist.parallel as P
+    import cce_dist.tp.collectives as P
 
     P.Comm.reduce_hidden_grad = lambda self, dh: _die(rank, out_dir, where)
 

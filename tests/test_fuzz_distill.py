@@ -21,7 +21,7 @@ float64 program than the same-dtype program is, within 2x (``grad_report``: sums
 rounding apart). The loss is judged the same way, with a float32 tolerance that grows with the soft logits' range
 (``|log p|``, which every divergence term carries).
 
-Masked tokens (as ``cce_dist/distill_torch.py``'s module docstring documents them). A ``-inf`` bias entry
+Masked tokens (as ``cce_dist/impl/torch_distill.py``'s module docstring documents them). A ``-inf`` bias entry
 without a softcap on that head is a masked token (probability 0). The materialized program gives NaN there
 (``0 * -inf``) or, where the divergence really is infinite, ``+inf``: teacher mass on a student-masked
 token for ``kl``, student mass on a teacher-masked one for ``reverse_kl`` (a hard-label target is never a

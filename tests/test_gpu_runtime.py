@@ -42,9 +42,9 @@ needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the kernels o
 
 
 def _runtime():
-    """cce_dist.runtime where it exists (the tests below also run, and fail, on the code before it)."""
+    """cce_dist.core.runtime where it exists (the tests below also run, and fail, on the code before it)."""
     try:
-        from cce_dist import runtime
+        from cce_dist.core import runtime
     except ImportError:
         return None
     return runtime
@@ -158,7 +158,7 @@ def test_gemm_without_out_dtype_is_decided_once(monkeypatch):
 
 def test_probe_is_cached_per_device_and_dtype_and_the_upcast_is_logged(monkeypatch, caplog):
     rt = _runtime()
-    assert rt is not None, "cce_dist.runtime (the shared GEMM helper) is missing"
+    assert rt is not None, "cce_dist.core.runtime (the shared GEMM helper) is missing"
     probes = []
 
     def probe(device, dtype):
@@ -192,14 +192,14 @@ def test_probe_reraises_out_of_memory_and_says_no_on_a_missing_kernel(monkeypatc
 def test_torch_impl_uses_the_shared_decision(monkeypatch):
     """The torch implementation's dW GEMM goes through the same cached decision: no fp32-output GEMM attempted where
     it was decided against (and no error of it swallowed where it was decided for)."""
-    from cce_dist import torch_impl
+    from cce_dist.impl import torch_cross_entropy
 
     rt = _runtime()
     assert rt is not None
     out, a, b = _operands()
     monkeypatch.setitem(rt._F32_OUT, (torch.device("cpu"), torch.bfloat16), True)
     _count_out_dtype_calls(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
-    acc = torch_impl.GradAccumulator(b.T.contiguous(), a, False, True, False)
+    acc = torch_cross_entropy.GradAccumulator(b.T.contiguous(), a, False, True, False)
     with _pretend_cuda_tensors(), pytest.raises(torch.OutOfMemoryError):
         acc.add(torch.ones(8, 4), b.T.contiguous(), a, slice(0, 4))
 
@@ -379,7 +379,7 @@ def _count_syncs():
 
 #: The one documented read-back of an eager call: the target ids are checked against the vocabulary before any
 #: launch, so that an id out of range raises a clear ValueError (on a GPU a kernel cannot raise).
-TARGET_CHECK = ("cce_dist/prepare.py:valid_id_range", "tolist")
+TARGET_CHECK = ("engine/prepare.py:valid_id_range", "tolist")
 
 
 @needs_interpreter

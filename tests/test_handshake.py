@@ -19,7 +19,7 @@ from helpers import problem
 from oracle import oracle_cross_entropy
 
 from cce_dist import InputError, VocabShard, linear_cross_entropy
-from cce_dist.parallel import targets_checksum
+from cce_dist.tp.collectives import targets_checksum
 
 N, D, V = 12, 8, 16
 

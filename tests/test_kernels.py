@@ -31,11 +31,11 @@ pytest.importorskip("triton")
 from helpers import problem  # noqa: E402
 
 import cce_dist.kernels as K  # noqa: E402
-from cce_dist import torch_impl  # noqa: E402
-from cce_dist.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
-from cce_dist.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
-from cce_dist.stats import entropy as stats_entropy  # noqa: E402
-from cce_dist.stats import lse as stats_lse  # noqa: E402
+from cce_dist.core.backend import ALPHA, BETA, DELTA, GAMMA  # noqa: E402
+from cce_dist.core.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET  # noqa: E402
+from cce_dist.core.stats import entropy as stats_entropy  # noqa: E402
+from cce_dist.core.stats import lse as stats_lse  # noqa: E402
+from cce_dist.impl import torch_cross_entropy  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -435,7 +435,7 @@ def test_grads_gamma_weights_match_oracle(i, schedule, filter_eps):
     _check_fp32_grads(got, ref)
     cpu = _cpu(h, w, b, t, lse, coef)
     need = dict(need_hidden=True, need_weight=True, need_bias=b is not None)
-    torch_got = torch_impl.grads(
+    torch_got = torch_cross_entropy.grads(
         *cpu, vocab_start=vs, softcap=softcap, temperature=temp, gamma_weights=gw, chunk_size=7 * v, **need
     )
     _check_fp32_grads(torch_got, ref)
@@ -580,14 +580,14 @@ def test_grads_deterministic_is_bitwise_repeatable(dtype, schedule):
 
 
 def _plan_meta(n, deterministic, v=300, d=64, dtype=torch.bfloat16, **kw):
-    """backward.plan() on meta tensors (nothing runs): ``(dh, dw, db, launches)``."""
+    """backward.plan_grads() on meta tensors (nothing runs): ``(dh, dw, db, launches)``."""
     from cce_dist.kernels import backward as B
 
     m = dict(device="meta")
     h, w = torch.empty(n, d, dtype=dtype, **m), torch.empty(v, d, dtype=dtype, **m)
     t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
     opts = dict(need_hidden=True, need_weight=True, need_bias=False, deterministic=deterministic, **kw)
-    return B.plan(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
+    return B.plan_grads(h, w, None, t, lse, coef, vocab_start=0, softcap=None, temperature=None, **opts)
 
 
 def test_schedule_choice_is_chunked_at_any_n(monkeypatch):
@@ -660,7 +660,7 @@ def test_chunked_scratch_stays_in_budget_at_any_n():
             h, w = torch.empty(n, d, dtype=dtype, **m), torch.empty(v, d, dtype=dtype, **m)
             b = torch.empty(v, dtype=dtype, **m) if bias else None
             t, lse, coef = torch.empty(n, dtype=torch.int64, **m), torch.empty(n, **m), torch.empty(n, 4, **m)
-            *_, launches = B.plan(h, w, b, t, lse, coef, vocab_start=0, softcap=None, temperature=None,
+            *_, launches = B.plan_grads(h, w, b, t, lse, coef, vocab_start=0, softcap=None, temperature=None,
                                   need_hidden=True, need_weight=True, need_bias=bias, deterministic=det,
                                   props=props, allow_tf32=True)
             kernels = sorted({type(k).__name__ if isinstance(k, B._HostStep) else k.fn.__name__

@@ -170,14 +170,16 @@ def test_cpu_upcast_gemm_rounds_logits_to_compute_dtype(dtype, bias, monkeypatch
     """On a CPU without native bf16/fp16 GEMMs the torch path runs float32 GEMMs on upcast operands
     and must round the logits to the compute dtype, as a native GEMM would: the row maxima and
     target logits are then values of that dtype, and both paths give the same statistics."""
-    from cce_dist import stats as S
-    from cce_dist import torch_impl
+    from cce_dist.core import stats as S
+    from cce_dist.impl import torch_cross_entropy
 
     h, w, b, t = make_inputs(n=48, dtype=dtype, seed=41, bias=bias, ignore_frac=0.0)
     got = {}
     for native in (False, True):
-        monkeypatch.setattr(torch_impl, "_native_low_precision_gemm", lambda dt, native=native: native)
-        got[native] = torch_impl.row_stats(h, w, b, t, vocab_start=0, softcap=None, temperature=1.0, chunk_size=7 * V)
+        monkeypatch.setattr(torch_cross_entropy, "_native_low_precision_gemm", lambda dt, native=native: native)
+        got[native] = torch_cross_entropy.row_stats(
+            h, w, b, t, vocab_start=0, softcap=None, temperature=1.0, chunk_size=7 * V
+        )
     up = got[False]
     for col in (S.MAX, S.TARGET):
         vals = up[:, col]
@@ -197,19 +199,20 @@ def test_cpu_upcast_gemm_rounds_dz_to_compute_dtype(dtype, softcap, monkeypatch)
     native path's up to float32 summation order (~1e-6 relative), where unrounded dz differed by the compute
     dtype's resolution (found by the long fuzz run: an fp16 dW at 2.05x the materialized program's error, which
     rounds dz). db sums the unrounded dz on both paths."""
-    from cce_dist import formulas, torch_impl
-    from cce_dist import stats as S
+    from cce_dist.core import formulas
+    from cce_dist.core import stats as S
+    from cce_dist.impl import torch_cross_entropy
 
     h, w, b, t = make_inputs(n=48, dtype=dtype, seed=43, bias=True, ignore_frac=0.0)
     kw = dict(vocab_start=0, softcap=softcap, temperature=1.0)
     got = {}
     for native in (False, True):
-        monkeypatch.setattr(torch_impl, "_native_low_precision_gemm", lambda dt, native=native: native)
-        stats = torch_impl.row_stats(h, w, b, t, **kw, chunk_size=7 * V)
+        monkeypatch.setattr(torch_cross_entropy, "_native_low_precision_gemm", lambda dt, native=native: native)
+        stats = torch_cross_entropy.row_stats(h, w, b, t, **kw, chunk_size=7 * V)
         coef = formulas.logprob_coef(
             stats, t >= 0, torch.randn(t.shape[0], generator=torch.Generator().manual_seed(1)), None
         )
-        got[native] = torch_impl.grads(
+        got[native] = torch_cross_entropy.grads(
             h, w, b, t, S.lse(stats), coef, **kw, need_hidden=True, need_weight=True, need_bias=True, chunk_size=5 * V
         )
     (dh_up, *rest_up), (dh_nat, *rest_nat) = got[False], got[True]

@@ -183,7 +183,7 @@ def test_no_nv_sized_tensor_allocated(dtype, fn):
 def test_default_chunk_rule():
     """chunk_size=None: 2**24 logits per chunk, but never fewer than 256 tokens (thin GEMMs are
     slow); an explicit int is a hard cap of at least one token."""
-    from cce_dist.torch_impl import chunk_tokens
+    from cce_dist.impl.torch_cross_entropy import chunk_tokens
 
     assert chunk_tokens(4096, 65536, None) == 256  # 2**24 logits
     assert chunk_tokens(4096, 32768, None) == 512

@@ -1,6 +1,6 @@
 """row_outputs "predicted" / "is_top1" on rows with NaN logits follow ``torch.argmax``.
 
-The rule (``cce_dist.stats.holds_max``): a NaN logit is the maximum and the first NaN wins; otherwise the largest
+The rule (``cce_dist.core.stats.holds_max``): a NaN logit is the maximum and the first NaN wins; otherwise the largest
 value, the lowest id on a tie; ``is_top1 = valid & (predicted == target)``. Every path must give it, whatever the
 order tiles, splits, chunks and ranks come in: the Triton forward (whose ``tl.max`` skips NaN: it predicted the
 largest finite logit, and INT64_MIN for a row of NaN or of -inf only), its split merge, the all-gather combine
@@ -25,8 +25,8 @@ from helpers import TRITON
 from oracle import oracle_logits
 
 from cce_dist import VocabShard, linear_cross_entropy, linear_logprobs
-from cce_dist import stats as S
-from cce_dist.parallel import from_max_id_key, max_id_key
+from cce_dist.core import stats as S
+from cce_dist.tp.collectives import from_max_id_key, max_id_key
 
 N, D, V = 20, 16, 70
 #: group g: its rows, and the ids whose logit is NaN in those rows (the first NaN, by id, is the predicted one)
@@ -197,7 +197,7 @@ def test_max_id_key_puts_nan_above_inf_whatever_its_sign():
 
 def test_predicted_never_casts_a_non_finite_id():
     """An ARGMAX with no id (+inf: no slice had a logit; NaN) is -1, never INT64_MIN."""
-    from cce_dist.outputs import row_outputs
+    from cce_dist.core.outputs import row_outputs
 
     st = S.empty_stats(2)
     st[1, S.ARGMAX] = float("nan")

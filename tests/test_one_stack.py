@@ -1,6 +1,6 @@
 """Every loss runs one stack: the same options base, validation, driver, gradient holding, reduction and -inf-safe
 normalization. Each test here checks that a precaution taken once holds for cross-entropy, logprobs and
-distillation alike (tests/test_signatures.py checks that each reaches the handshake through cce_dist.driver)."""
+distillation alike (tests/test_signatures.py checks that each reaches the handshake through cce_dist.engine.driver)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from helpers import problem
 
 from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs
-from cce_dist import stats as S
-from cce_dist.autograd import HeldGradients
-from cce_dist.options import CrossEntropyOptions, DistillationOptions, LogprobOptions, LossOptions
+from cce_dist.core import stats as S
+from cce_dist.core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions, LossOptions
+from cce_dist.engine.autograd import HeldGradients
 
 LOSSES = {
     "cross-entropy": lambda h, w, t, **kw: linear_cross_entropy(h, w, t, **kw),

@@ -105,8 +105,8 @@ def test_wheel_ships_kernels_as_cce_dist_kernels(source: Path, tmp_path: Path):
     (wheel,) = (tmp_path / "dist").glob("cce_dist-*.whl")
 
     names = set(zipfile.ZipFile(wheel).namelist())
-    want = {f"cce_dist/kernels/{p.name}" for p in (ROOT / "cce_dist" / "kernels").glob("*.py")}
-    want |= {f"cce_dist/{p.name}" for p in (ROOT / "cce_dist").glob("*.py")} | {"cce_dist/py.typed"}
+    # every module of every subpackage (core/, impl/, kernels/, tp/, engine/: docs/design.md, "Layout")
+    want = {p.relative_to(ROOT).as_posix() for p in (ROOT / "cce_dist").rglob("*.py")} | {"cce_dist/py.typed"}
     assert want <= names, sorted(want - names)
     # a top-level `kernels` would shadow Hugging Face's `kernels` package (transformers imports it)
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must not ship as a top-level package"

@@ -29,9 +29,9 @@ from helpers import Failures, problem
 from oracle import oracle_cross_entropy, oracle_logprobs
 
 from cce_dist import InputError, LinearCrossEntropy, VocabShard, linear_cross_entropy, linear_logprobs
-from cce_dist.parallel import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
+from cce_dist.impl.torch_cross_entropy import chunk_tokens
 from cce_dist.testing import CollectiveLog
-from cce_dist.torch_impl import chunk_tokens
+from cce_dist.tp.collectives import AUTO_ALLGATHER_MAX_ROWS_X_RANKS
 
 D = 16  # hidden size; never equal to a statistics width (4, 5) so collectives can be told apart
 V = 13  # global vocab (odd: shards are uneven)

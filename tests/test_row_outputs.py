@@ -16,8 +16,8 @@ from helpers import TRITON, integer_problem
 from oracle import oracle_logits
 
 from cce_dist import ROW_OUTPUTS, RowOutputs, linear_cross_entropy, linear_logprobs
-from cce_dist import stats as S
-from cce_dist.parallel import from_max_id_key, max_id_key
+from cce_dist.core import stats as S
+from cce_dist.tp.collectives import from_max_id_key, max_id_key
 
 ALL = ROW_OUTPUTS
 

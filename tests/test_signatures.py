@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 import cce_dist
-from cce_dist import api, distill, distill_torch, parallel, torch_impl
-from cce_dist import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
-from cce_dist.backend import Backend
-from cce_dist.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from cce_dist import api, distill
+from cce_dist.core.backend import Backend
+from cce_dist.core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+from cce_dist.engine import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
+from cce_dist.impl import torch_cross_entropy, torch_distill
+from cce_dist.tp import collectives
 
 PKG = Path(cce_dist.__file__).parent
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -99,7 +101,7 @@ def test_module_takes_the_options_fields():
 
 
 def _backends():
-    out = [torch_impl]
+    out = [torch_cross_entropy]
     try:
         from cce_dist import kernels
     except ImportError:
@@ -141,13 +143,13 @@ def test_kernels_row_stats_and_grads_are_the_kernel_functions():
 PLAN_EXTRA = [("props", KEYWORD_ONLY, None), ("allow_tf32", KEYWORD_ONLY, None)]
 
 
-def test_backward_plan_takes_grads_arguments():
-    """kernels.backward.plan: grads()'s parameters plus the device record and the TF32 switch, after the public
+def test_backward_plan_grads_takes_grads_arguments():
+    """kernels.backward.plan_grads: grads()'s parameters plus the device record and the TF32 switch, after the public
     keywords."""
     pytest.importorskip("triton")
     from cce_dist.kernels import backward
 
-    assert _params(backward.plan) == _insert_after(_params(backward.grads), "gamma_weights", PLAN_EXTRA)
+    assert _params(backward.plan_grads) == _insert_after(_params(backward.grads), "gamma_weights", PLAN_EXTRA)
 
 
 @pytest.mark.parametrize(
@@ -245,13 +247,13 @@ def test_logit_tile_calls_pass_its_parameters_in_order():
 @pytest.mark.parametrize("fn", ["forward", "grads"])
 def test_distill_implementations_take_the_protocols_arguments(fn):
     """Both distillation implementations take exactly the DistillBackend protocol's arguments (mypy checks the types
-    where cce_dist.prepare.resolve_distill_backend returns them)."""
-    from cce_dist import distill_triton
-    from cce_dist.backend import DistillBackend
+    where cce_dist.engine.prepare.resolve_distill_backend returns them)."""
+    from cce_dist.core.backend import DistillBackend
+    from cce_dist.impl import triton_distill
 
     protocol = _params(getattr(DistillBackend, fn), drop_self=True)
-    assert _params(getattr(distill_torch, fn)) == protocol
-    assert _params(getattr(distill_triton, fn)) == protocol
+    assert _params(getattr(torch_distill, fn)) == protocol
+    assert _params(getattr(triton_distill, fn)) == protocol
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,9 +271,9 @@ def _calls(path: Path, name: str):
 
 
 def test_every_loss_reaches_the_handshake_through_the_driver():
-    """One call of parallel.handshake in the package, in driver.py (every loss runs the driver), with every keyword by
-    name; the keywords have no defaults, so mypy also reports a missing one."""
-    sig = inspect.signature(parallel.handshake)
+    """One call of tp.collectives.handshake in the package, in engine/driver.py (every loss runs the driver), with every
+    keyword by name; the keywords have no defaults, so mypy also reports a missing one."""
+    sig = inspect.signature(collectives.handshake)
     keywords = [p.name for p in sig.parameters.values() if p.kind == KEYWORD_ONLY]
     assert all(sig.parameters[k].default is inspect.Parameter.empty for k in keywords)
     sites = {p.name: _calls(p, "handshake") for p in PKG.rglob("*.py")}
@@ -287,7 +289,8 @@ def test_every_loss_runs_the_driver():
     no other module builds a Plan."""
     import torch
 
-    from cce_dist import driver, linear_cross_entropy, linear_distillation, linear_logprobs
+    from cce_dist import linear_cross_entropy, linear_distillation, linear_logprobs
+    from cce_dist.engine import driver
 
     forms = []
     real = driver.plan_call
@@ -337,7 +340,7 @@ def test_compile_ops_take_the_protocols_arguments(fn):
     """Each op: the protocol's tensors in order (``grads``: then ``gamma_weights``), then by keyword the protocol's
     options, every implementation's declared options and OP_EXTRA; OpsBackend's method is the protocol's plus those
     declared options, so it passes on whatever the driver built for either implementation."""
-    from cce_dist.compile import OpsBackend
+    from cce_dist.engine.compile import OpsBackend
 
     protocol = _params(getattr(Backend, fn), drop_self=True)
     positional = [n for n, kind, _ in protocol if kind != KEYWORD_ONLY]

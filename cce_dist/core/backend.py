@@ -1,6 +1,6 @@
 """The contract every implementation (``torch``, ``triton``) fulfils for one vocab shard.
 
-An implementation is a module (:mod:`cce_dist.torch_impl`, :mod:`cce_dist.kernels`) satisfying the
+An implementation is a module (:mod:`cce_dist.impl.torch_cross_entropy`, :mod:`cce_dist.kernels`) satisfying the
 :class:`Backend` protocol: two functions, free of autograd and of torch.distributed, and constants
 declaring its capabilities, so callers ask what a backend can do instead of which one it is.
 
@@ -10,7 +10,7 @@ declaring its capabilities, so callers ask what a backend can do instead of whic
     bias    ``[V_local]`` compute dtype, or None
     targets ``[N]`` int64 *global* ids; ids outside ``[vocab_start, vocab_start + V_local)``
             (ignore_index included) contribute TARGET = 0
-    returns ``float32 [N, NUM_STATS]`` statistics (see :mod:`cce_dist.stats`) of the logits
+    returns ``float32 [N, NUM_STATS]`` statistics (see :mod:`cce_dist.core.stats`) of the logits
 
         raw = round_to_compute_dtype(hidden @ weight.T + bias)     # then float32
         c   = softcap * tanh(raw / softcap)   if softcap else raw
@@ -73,13 +73,13 @@ NUM_COEFS = 4
 @runtime_checkable
 class Capabilities(Protocol):
     """The capability constants every implementation (cross-entropy or distillation) declares; the driver reads
-    them (:func:`cce_dist.prepare.backend_kwargs`), never which implementation it is.
+    them (:func:`cce_dist.engine.prepare.backend_kwargs`), never which implementation it is.
 
     NAME                 "torch" | "triton": which implementation ``impl=`` resolved to (the TP handshake
                          compares it: the two issue different statistics collectives for a scalar loss)
     FUSED_CHUNKING       the scalar-loss schedule that forms the gradients in forward computes this
                          implementation's numbers, so ``grad_in_forward`` may use it (cross-entropy:
-                         :func:`cce_dist.torch_impl.fused_cross_entropy`, with per-token-chunk statistics
+                         :func:`cce_dist.impl.torch_cross_entropy.fused_cross_entropy`, with per-token-chunk statistics
                          collectives; distillation: ``forward(row_grad=...)``)
     SUPPORTS_FILTERING   ``grads`` honours ``filter_eps`` (else it is not passed: always exact)
     DETERMINISTIC_OPTION ``grads`` honours ``deterministic`` (else it is not passed: always deterministic)
@@ -97,8 +97,8 @@ class Capabilities(Protocol):
 
 @runtime_checkable
 class Backend(Capabilities, Protocol):
-    """What :mod:`cce_dist.autograd`, :mod:`cce_dist.compile` and :mod:`cce_dist.prepare` may rely on: the
-    :class:`Capabilities` and the two functions of the module docstring."""
+    """What :mod:`cce_dist.engine.autograd`, :mod:`cce_dist.engine.compile` and :mod:`cce_dist.engine.prepare` may rely
+    on: the :class:`Capabilities` and the two functions of the module docstring."""
 
     def row_stats(
         self,
@@ -135,8 +135,9 @@ class Backend(Capabilities, Protocol):
 
 @runtime_checkable
 class DistillBackend(Capabilities, Protocol):
-    """A distillation implementation (:mod:`cce_dist.distill_torch`, :mod:`cce_dist.distill_triton`) for one vocab
-    shard of two heads, free of autograd and of torch.distributed (the caller passes the collectives as callbacks).
+    """A distillation implementation (:mod:`cce_dist.impl.torch_distill`, :mod:`cce_dist.impl.triton_distill`) for one
+    vocab shard of two heads, free of autograd and of torch.distributed (the caller passes the collectives as
+    callbacks).
 
     ``Heads(hs, ws, bs, ht, wt, bt, targets, valid, vocab_start, opts)``: one call's tensors in each head's compute
     dtype, flattened to rows (``hs [N, D_s]``, ``ws [V_local, D_s]``, ``ht [N, D_t]``, ``wt [V_local, D_t]``,

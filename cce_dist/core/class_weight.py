@@ -7,7 +7,7 @@ With ``w [V]`` (the full vocabulary's weights), ``t`` the target, ``eps`` the la
 
 Two pieces:
 
-- the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.formulas`); every
+- the row weight ``w_t`` scales each row's loss and its gradient coefficients (:mod:`cce_dist.core.formulas`); every
   rank holds ``w`` whole, so it is read without a collective;
 - the smoothing term's weighted logit sum ``sum_j w_j z_ij`` travels in the statistics' SUM column, which the
   exchange already sums over the ranks (:func:`weighted_logit_sum`: without a softcap it is linear in the hidden
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import stats as S
 from .formulas import effective_smoothing
 from .runtime import f32_out_gemm, matmul_f32
+from .stats import SUM_SCALE
 
 #: float32 copies of a chunk of rows made by the matrix-vector products: capped at ~8 MB
 _CHUNK_BYTES = 8 << 20
@@ -50,7 +50,7 @@ class ClassWeights:
 
     @property
     def terms(self) -> tuple[Tensor, Tensor]:
-        """``(w_t, W / V)`` as :func:`cce_dist.formulas.cross_entropy_rows` takes them."""
+        """``(w_t, W / V)`` as :func:`cce_dist.core.formulas.cross_entropy_rows` takes them."""
         return self.rows, self.mean
 
     @classmethod
@@ -133,14 +133,14 @@ def weighted_logit_sum(
     if softcap:
         for rows, c in _softcapped_logits(hidden, _gemm_head(weight), bias, softcap):
             out[rows] = torch.where(w_local != 0, c * w_local, 0.0).sum(1)
-        return out * S.SUM_SCALE
+        return out * SUM_SCALE
     u = head_direction(weight, w_local)
     step = _rows_per_chunk(hidden.shape[1])
     for i in range(0, hidden.shape[0], step):
         out[i : i + step] = hidden[i : i + step].float() @ u
     if bias is not None:
         out += torch.where(w_local != 0, w_local * bias.float(), 0.0).sum()
-    return out * S.SUM_SCALE
+    return out * SUM_SCALE
 
 
 def gamma_weights(cw: ClassWeights | None) -> Tensor | None:

@@ -1,15 +1,16 @@
 """Per-row outputs and gradient coefficients, as functions of the (global) row statistics.
 
 Pure elementwise torch on ``[N]`` vectors: shared by every implementation and by the
-single-device and vocab-parallel paths. See :mod:`cce_dist.backend` for the coefficient layout.
+single-device and vocab-parallel paths. See :mod:`cce_dist.core.backend` for the coefficient layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import stats as S
 from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
+from .stats import MAX, SUMEXP, TARGET, entropy, mean_logit
+from .stats import lse as log_sum_exp
 
 
 def effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
@@ -20,13 +21,13 @@ def effective_smoothing(label_smoothing: float, vocab_size: int) -> float:
 
 
 def lse_residual(stats: torch.Tensor) -> torch.Tensor:
-    """``float32 [N]``: what the float32 ``lse = m + log(s)`` of :func:`cce_dist.stats.lse` rounds away, i.e.
+    """``float32 [N]``: what the float32 ``lse = m + log(s)`` of :func:`cce_dist.core.stats.lse` rounds away, i.e.
     ``(m + log(s)) - lse`` (0 where ``lse`` is not finite), exact by Knuth's two-sum.
 
     ``lse`` is rounded at ulp(|lse|) (3.8e-6 at |lse| ~ 40): ``exp(z - lse)`` then carries that absolute error, and
     the target's ``1 - p`` of a confident row (p ~ 0.999) would be ~1e-3 relatively wrong, where the materialized
     program's ``(z - m) - log(s)`` is exact to a float32 rounding. :func:`fold_lse_residual` puts it back."""
-    m, log_s = stats[:, S.MAX], torch.log(stats[:, S.SUMEXP])
+    m, log_s = stats[:, MAX], torch.log(stats[:, SUMEXP])
     lse = m + log_s
     b_virtual = lse - m
     residual = (m - (lse - b_virtual)) + (log_s - b_virtual)
@@ -34,7 +35,7 @@ def lse_residual(stats: torch.Tensor) -> torch.Tensor:
 
 
 def fold_lse_residual(coef: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The coefficients (layout: :mod:`cce_dist.backend`) that give, from the float32 ``lse``, the gradient of the
+    """The coefficients (layout: :mod:`cce_dist.core.backend`) that give, from the float32 ``lse``, the gradient of the
     exact ``lse + residual`` (``residual`` from :func:`lse_residual`); ``coef`` is not modified.
 
     With ``p = exp(z - lse)``, the exact probability is ``c * p`` (``c = exp(-residual)``) and the exact
@@ -68,16 +69,16 @@ def cross_entropy_rows(
     ``(m - z_t) + log(s)``: a confident row's loss (~1 - p) is then exact to a float32 rounding, as in the
     materialized ``log_softmax``, instead of carrying an ulp of the logits' magnitude.
 
-    ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.class_weight`), with the SUM column
+    ``class_weights``: ``(w_t float32 [N], W / V float32 [])`` (:mod:`cce_dist.core.class_weight`), with the SUM column
     holding ``sum_j w_j z_j``: ``loss = (1-eps)*w_t*(lse - z_t) + eps*((W/V)*lse - mean_j w_j z_j) + z_loss*lse**2``.
     """
-    lse = S.lse(stats)
-    loss = (stats[:, S.MAX] - stats[:, S.TARGET]) + torch.log(stats[:, S.SUMEXP])
+    lse = log_sum_exp(stats)
+    loss = (stats[:, MAX] - stats[:, TARGET]) + torch.log(stats[:, SUMEXP])
     if class_weights is not None:
         loss = class_weights[0] * loss
     label_smoothing = effective_smoothing(label_smoothing, vocab_size)
     if label_smoothing:
-        smooth = (lse if class_weights is None else class_weights[1] * lse) - S.mean_logit(stats, vocab_size)
+        smooth = (lse if class_weights is None else class_weights[1] * lse) - mean_logit(stats, vocab_size)
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse
@@ -101,7 +102,7 @@ def cross_entropy_coef(
     backward that forms ``p = exp(z - lse)``. ``residual``: :func:`lse_residual` of the row statistics (folded in
     by :func:`fold_lse_residual`), or None where ``p`` is formed exactly otherwise (the fused torch path's
     ``exp(z - m) / s``). ``class_weights``: as in :func:`cross_entropy_rows`; GAMMA is then the factor of ``w_j``
-    (``-eps/V * g``, applied by :func:`cce_dist.class_weight.add_smoothing_grads`), and
+    (``-eps/V * g``, applied by :func:`cce_dist.core.class_weight.add_smoothing_grads`), and
     ``ALPHA = g*((1-eps)*w_t + eps*W/V + 2*zl*lse)``, ``BETA = g*(eps*W/V + 2*zl*lse)``."""
     g = torch.where(valid, g_loss.float(), torch.zeros_like(lse))
     coef = lse.new_zeros(lse.shape[0], NUM_COEFS)
@@ -130,8 +131,8 @@ def cross_entropy_coef(
 
 def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row logprob of the target and entropy, ``float32 [N]``; 0 where ``valid`` is False."""
-    lp = (stats[:, S.TARGET] - stats[:, S.MAX]) - torch.log(stats[:, S.SUMEXP])  # exact near 0 (lse_residual)
-    ent = S.entropy(stats)
+    lp = (stats[:, TARGET] - stats[:, MAX]) - torch.log(stats[:, SUMEXP])  # exact near 0 (lse_residual)
+    ent = entropy(stats)
     zero = torch.zeros_like(lp)
     return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
 
@@ -139,9 +140,9 @@ def logprob_rows(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
 def logprob_coef(
     stats: torch.Tensor, valid: torch.Tensor, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None
 ) -> torch.Tensor:
-    """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - S.lse(stats))``, the
-    float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.backend`; at the target the
-    logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
+    """Coefficients of d(logprob, entropy)/dz for a backward that forms ``p = exp(z - log_sum_exp(stats))``, the
+    float32 lse's rounding folded in (:func:`fold_lse_residual`) (layout: :mod:`cce_dist.core.backend`; at the target
+    the logprob terms ``g*(1 - p)`` are formed as ``(p - 1)*ALPHA``, exact near p = 1).
 
     Centred on lse (d H/d z_j = -p_j (z_j - lse + H)), no term is of the logits' magnitude: with
     absolute logits, ``g*E_p[z] - g*z`` cancelled and lost the logprob term at |z| ~ 1e37."""
@@ -152,7 +153,7 @@ def logprob_coef(
     ent_term = zero  # -g_ent * H: the part of ALPHA the target's term keeps (BETA = ALPHA + g_lp, formed exactly)
     if g_entropy is not None:
         g_ent = torch.where(valid, g_entropy.float(), zero)
-        ent_term = -torch.where(g_ent != 0, g_ent * S.entropy(stats), zero)
+        ent_term = -torch.where(g_ent != 0, g_ent * entropy(stats), zero)
         coef[:, DELTA] = -g_ent
     coef[:, ALPHA] = ent_term - g_lp
     coef[:, BETA] = ent_term

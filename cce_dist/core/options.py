@@ -28,7 +28,7 @@ IMPLS = ("auto", "torch", "triton")
 #: and never fewer than 256 tokens, because thinner chunks make thin, slow GEMMs: on CPU, fewer
 #: logits per chunk at V=64k and fewer tokens per chunk at V=256k each took longer
 #: (benchmarks/results/cpu_single.md has the V=64k sweep; docs/design.md, "torch
-#: (cce_dist/torch_impl.py)", the ratios of both).
+#: (cce_dist/impl/torch_cross_entropy.py)", the ratios of both).
 #: The floor keeps the block at ``256 / D`` of the float32 weight gradient: never larger than the
 #: gradient for a head dimension >= 256. An explicit int is a hard cap (at least one token).
 DEFAULT_CHUNK_SIZE = 1 << 24
@@ -180,7 +180,7 @@ def _check_reduction(reduction) -> None:
 @dataclass(frozen=True)
 class LossOptions:
     """The fields every loss has, and their checks (each field documented on :class:`CrossEntropyOptions`):
-    :mod:`cce_dist.driver` reads these of any loss's options."""
+    :mod:`cce_dist.engine.driver` reads these of any loss's options."""
 
     ignore_index: int = -100
     shard: VocabShard | None = None

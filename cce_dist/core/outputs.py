@@ -2,7 +2,7 @@
 
 ``row_outputs=`` of :func:`cce_dist.linear_cross_entropy` and :func:`cce_dist.linear_logprobs` asks for any of
 :data:`ROW_OUTPUTS`; the call then returns ``(its usual result, RowOutputs)``. Each is a function of the row
-statistics the loss gathers anyway (:mod:`cce_dist.stats`: the argmax travels with the max, ``sum exp(2 (z - m))``
+statistics the loss gathers anyway (:mod:`cce_dist.core.stats`: the argmax travels with the max, ``sum exp(2 (z - m))``
 beside ``sum exp(z - m)``), so under tensor parallelism they come from the same statistics exchange (no collective
 more), and nothing is formed when none is asked for. None is differentiable (as in TRL and Liger).
 
@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from . import stats as S
+from .stats import log_sum_sq_probs, mean_logit, predicted
 
 RowOutput = Literal["predicted", "is_top1", "log_sum_sq_probs", "mean_logit"]
 ROW_OUTPUTS: tuple[RowOutput, ...] = ("predicted", "is_top1", "log_sum_sq_probs", "mean_logit")
@@ -83,15 +83,15 @@ def row_outputs(
     [N]`` and ``valid bool [N]``, reshaped to ``shape``."""
     out: dict[str, torch.Tensor] = {}
     if "predicted" in names or "is_top1" in names:
-        predicted = S.predicted(stats)  # never INT64_MIN from casting a non-finite ARGMAX
-        predicted = torch.where(valid, predicted, torch.full_like(predicted, -1))
+        ids = predicted(stats)  # never INT64_MIN from casting a non-finite ARGMAX
+        ids = torch.where(valid, ids, torch.full_like(ids, -1))
         if "predicted" in names:
-            out["predicted"] = predicted.reshape(shape)
+            out["predicted"] = ids.reshape(shape)
         if "is_top1" in names:
-            out["is_top1"] = (valid & (predicted == targets)).reshape(shape)
+            out["is_top1"] = (valid & (ids == targets)).reshape(shape)
     zero = torch.zeros((), dtype=torch.float32, device=stats.device)
     if "log_sum_sq_probs" in names:
-        out["log_sum_sq_probs"] = torch.where(valid, S.log_sum_sq_probs(stats), zero).reshape(shape)
+        out["log_sum_sq_probs"] = torch.where(valid, log_sum_sq_probs(stats), zero).reshape(shape)
     if "mean_logit" in names:
-        out["mean_logit"] = torch.where(valid, S.mean_logit(stats, vocab_size), zero).reshape(shape)
+        out["mean_logit"] = torch.where(valid, mean_logit(stats, vocab_size), zero).reshape(shape)
     return RowOutputs(**out)

@@ -1,7 +1,7 @@
 """What the implementations ask of the device at run time, in one place: the float32-output GEMM, free memory, the
 device a launch runs on, and the library's logger.
 
-Used by the torch implementation (:mod:`cce_dist.torch_impl`) and by the Triton kernels' host code
+Used by the torch implementation (:mod:`cce_dist.impl.torch_cross_entropy`) and by the Triton kernels' host code
 (``cce_dist.kernels``); it imports nothing from cce_dist, so it sits below every other module.
 
 - :func:`mm_f32` / :func:`matmul_f32`: ``a @ b`` of bf16 / fp16 operands with a float32 result and float32

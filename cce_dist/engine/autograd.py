@@ -3,7 +3,7 @@
 Each Function receives the caller's tensors (original dtypes, hidden possibly sequence-sharded),
 a :class:`Plan` (implementation, dtypes, communicator) and the frozen options. It casts to the
 compute dtype, asks the backend for row statistics, combines them over the group, and forms the
-outputs with :mod:`cce_dist.formulas`. Backward recomputes logits from the saved lse.
+outputs with :mod:`cce_dist.core.formulas`. Backward recomputes logits from the saved lse.
 
 - :class:`CrossEntropyRows`: per-row loss and lse (any upstream gradient; ``reduction="none"``,
   ``return_lse`` and the triton path use it).
@@ -37,17 +37,18 @@ B = TypeVar("B", bound=Capabilities)
 @dataclass(frozen=True)
 class Plan(Generic[B]):
     """Everything a Function needs besides tensors and options, resolved once per call by the driver
-    (:func:`cce_dist.driver.plan_call`)."""
+    (:func:`cce_dist.engine.driver.plan_call`)."""
 
-    #: the implementation: a :class:`~cce_dist.backend.Backend` (cce_dist.torch_impl, cce_dist.kernels) or a
-    #: :class:`~cce_dist.backend.DistillBackend` (cce_dist.distill_torch, cce_dist.distill_triton)
+    #: the implementation: a :class:`~cce_dist.backend.Backend` (cce_dist.impl.torch_cross_entropy,
+    #: cce_dist.kernels) or a :class:`~cce_dist.backend.DistillBackend` (cce_dist.impl.torch_distill,
+    #: cce_dist.impl.triton_distill)
     backend: B
     compute_dtype: torch.dtype  # the (student's) head's
     vocab_start: int
     vocab_size: int  # global (all shards)
     comm: Comm
     #: ``{"row_stats": {...}, "grads": {...}}``: the backend's keyword options, built once
-    #: (:func:`cce_dist.prepare.backend_kwargs`) and never changed after
+    #: (:func:`cce_dist.engine.prepare.backend_kwargs`) and never changed after
     backend_kwargs: Mapping[str, Mapping[str, Any]]
     chunk_tokens: int = 0  # tokens per chunk of the chunked schedules: identical on every rank
     teacher_dtype: torch.dtype | None = None  # distillation: the teacher head's compute dtype
@@ -65,7 +66,7 @@ def _forward_stats(
     """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
     (``h``), and the row statistics reduced over the group (the row outputs' columns too where the backend forms
     them: ``need_argmax`` / ``need_sumsq``). ``cw``: class weights whose smoothing term puts the weighted logit sum
-    in the SUM column (:mod:`cce_dist.class_weight`), before the exchange sums it."""
+    in the SUM column (:mod:`cce_dist.core.class_weight`), before the exchange sums it."""
     h = plan.comm.gather_tokens(hidden.to(plan.compute_dtype))
     w, b = weight.to(plan.compute_dtype), to_dtype(bias, plan.compute_dtype)
     local = plan.backend.row_stats(
@@ -178,7 +179,7 @@ def saved_inputs(ctx):
 
 class CrossEntropyRows(torch.autograd.Function):
     """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N], stats)``;
-    ``stats`` (the global row statistics ``float32 [N, NUM_STATS]``, for :mod:`cce_dist.outputs`) is not
+    ``stats`` (the global row statistics ``float32 [N, NUM_STATS]``, for :mod:`cce_dist.core.outputs`) is not
     differentiable."""
 
     @staticmethod
@@ -345,7 +346,7 @@ class FusedCrossEntropy(HoldsGradients):
 class HeldGradients:
     """Gradients formed in forward, held until backward applies the upstream gradient: the one place that does so,
     for every loss whose gradients are formed in forward (:class:`FusedCrossEntropy`,
-    :class:`cce_dist.distill_autograd.FusedDistill`).
+    :class:`cce_dist.engine.distill_autograd.FusedDistill`).
 
     The gradients arrive float32, formed for an upstream gradient of 1 per counted row times ``1 / scale``; backward
     multiplies them in float32 by the upstream value times ``scale`` (a Python number, or a 0-dim float32 tensor

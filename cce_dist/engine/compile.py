@@ -2,9 +2,9 @@
 
 Under ``torch.compiler.is_compiling()`` (and on the meta device) :func:`cce_dist.linear_cross_entropy` and
 :func:`cce_dist.linear_logprobs` run their eager path, traced by Dynamo: the driver, the autograd Functions
-(``CrossEntropyRows``, ``LogprobRows``), :mod:`cce_dist.formulas`, the reduction. Only the plan's backend differs, an
-:class:`OpsBackend` whose :class:`~cce_dist.backend.Backend` primitives are opaque ops (fake implementations give the
-shapes) running the implementation the driver resolved (its name is an op argument):
+(``CrossEntropyRows``, ``LogprobRows``), :mod:`cce_dist.core.formulas`, the reduction. Only the plan's backend
+differs, an :class:`OpsBackend` whose :class:`~cce_dist.backend.Backend` primitives are opaque ops (fake
+implementations give the shapes) running the implementation the driver resolved (its name is an op argument):
 
 ``cce_dist::row_stats(hidden, weight, bias, targets, *, ...) -> stats float32 [N, NUM_STATS]``
 ``cce_dist::grads(hidden, weight, bias, targets, lse, coef, gamma_weights, *, ...) -> (d_hidden, d_weight, d_bias)``
@@ -14,7 +14,7 @@ No formula lives here. Under compile:
 - ``shard`` and DTensor inputs raise ``NotImplementedError`` (one device only): call the vocab-parallel loss outside
   the compiled region (``torch.compiler.disable``).
 - ``grad_in_forward`` is ignored (the fused schedule is no primitive).
-- the target ids are checked (eager's :func:`~cce_dist.prepare.check_target_range`) inside ``row_stats`` when it
+- the target ids are checked (eager's :func:`~cce_dist.engine.prepare.check_target_range`) inside ``row_stats`` when it
   runs: reading them at trace time would break the graph.
 - ``create_graph=True`` raises: Dynamo traces the Functions' backward without grad mode, so ``cce_dist::first_order``
   (an identity on their outputs) applies their rule at run time (``backend="eager"``); behind AOTAutograd torch
@@ -42,16 +42,16 @@ def implementation(name: str) -> Backend:
     """The implementation named ``name`` (its ``NAME``: ``"torch"`` or ``"triton"``), as resolved by the driver."""
     if name == torch_impl.NAME:
         return torch_impl
-    from . import kernels
+    from .. import kernels
 
     return kernels
 
 
 @torch.compiler.assume_constant_result
 def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
-    """The name of :func:`cce_dist.prepare.resolve_backend`'s implementation, called, not traced, under torch.compile:
-    it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot trace) and the
-    environment, constants of the process."""
+    """The name of :func:`cce_dist.engine.prepare.resolve_backend`'s implementation, called, not traced, under
+    torch.compile: it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot
+    trace) and the environment, constants of the process."""
     return resolve_backend(impl, device, hidden_dim).NAME
 
 
@@ -197,9 +197,9 @@ def _(a, b):
 
 
 def _first_order_backward(ctx, ga, gb):
-    """The Functions' rule (:func:`cce_dist.autograd.refuse_second_order`) at run time: Dynamo traces their backward
-    without grad mode, so there it cannot see ``create_graph=True``. AOTAutograd traces this backward with grad mode
-    on for any backward (and raises its own error on a double backward of the compiled graph)."""
+    """The Functions' rule (:func:`cce_dist.engine.autograd.refuse_second_order`) at run time: Dynamo traces their
+    backward without grad mode, so there it cannot see ``create_graph=True``. AOTAutograd traces this backward with
+    grad mode on for any backward (and raises its own error on a double backward of the compiled graph)."""
     if not torch.compiler.is_compiling() and not _tracing():
         refuse_second_order()
     return ga, gb
@@ -312,7 +312,7 @@ class OpsBackend:
 
 def check_compilable(hidden: Any, weight: Any, targets: Any, bias: Any, opts: CrossEntropyOptions | LogprobOptions):
     """What the compiled path does not support (one device only, no DTensor), refused before the driver runs: the
-    rest of the validation is the eager path's own (:func:`cce_dist.driver.plan_call`, traced)."""
+    rest of the validation is the eager path's own (:func:`cce_dist.engine.driver.plan_call`, traced)."""
     if opts.shard is not None:
         raise NotImplementedError(
             "cce_dist under torch.compile supports one device only (shard=None); call the vocab-parallel loss "

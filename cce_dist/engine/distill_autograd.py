@@ -4,9 +4,9 @@
   from the saved global statistics (any upstream gradient; ``reduction="none"`` uses it).
 - :class:`FusedDistill`: scalar (sum/mean) loss whose student gradients are formed during forward
   while the chunk's logits are held (the teacher's logits are computed once, not twice), held by
-  :class:`cce_dist.autograd.HeldGradients` as the cross-entropy's are.
+  :class:`cce_dist.engine.autograd.HeldGradients` as the cross-entropy's are.
 
-Both run the implementation the driver resolved (``plan.backend``, a :class:`cce_dist.backend.DistillBackend`), and
+Both run the implementation the driver resolved (``plan.backend``, a :class:`cce_dist.core.backend.DistillBackend`), and
 save, refuse second-order gradients and finish the gradients with the cross-entropy Functions' helpers. The teacher's
 tensors arrive detached: they never receive a gradient.
 """
@@ -50,7 +50,8 @@ def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
 
 
 # DistillRows and FusedDistill take the same positional inputs (autograd.Function.apply has no keywords): the
-# student's hidden, weight and bias first, as every Function here (cce_dist.autograd.needed_input_grads reads them).
+# student's hidden, weight and bias first, as every Function here (cce_dist.engine.autograd.needed_input_grads reads
+# them).
 class DistillRows(torch.autograd.Function):
     """``(h_s [n, D_s], W_s [V_local, D_s], b_s, targets [N], valid [N], h_t [n, D_t], W_t, b_t)``
     ``-> loss float32 [N]``."""
@@ -82,8 +83,8 @@ class FusedDistill(HoldsGradients):
 
     Forward forms the gradients of the *sum* of the counted rows' losses (an upstream gradient of 1 per counted
     row, whatever the reduction: a logit gradient rounded to a float16 compute dtype at the mean's ``1 / n_valid``
-    would sink into its subnormals); :class:`~cce_dist.autograd.HeldGradients` holds them until backward applies the
-    upstream scalar times the reduction's scale (``1 / n_valid``, formed on the device: the count is not read back
+    would sink into its subnormals); :class:`~cce_dist.engine.autograd.HeldGradients` holds them until backward applies
+    the upstream scalar times the reduction's scale (``1 / n_valid``, formed on the device: the count is not read back
     to the host, which would stall it on every call). The graph supports a single backward (a second raises), and no
     ``create_graph=True`` (raises).
     """

@@ -3,16 +3,16 @@
 :func:`cce_dist.linear_cross_entropy`, :func:`cce_dist.linear_logprobs` (:mod:`cce_dist.api`) and
 :func:`cce_dist.linear_distillation` (:mod:`cce_dist.distill`) describe their call as a :class:`Call` (the loss's name,
 its options, how to validate and flatten its tensors, which implementation to resolve) and get back the rows and the
-:class:`~cce_dist.autograd.Plan` their autograd Function runs. So a precaution taken here holds for every loss:
+:class:`~cce_dist.engine.autograd.Plan` their autograd Function runs. So a precaution taken here holds for every loss:
 
 1. validate locally on every rank (``Call.prepare``: types, shapes, devices, target ids), and resolve the
-   implementation (``Call.resolve``: a :class:`~cce_dist.backend.Backend` or
-   :class:`~cce_dist.backend.DistillBackend`), catching the error instead of raising it yet;
-2. with a group of more than one rank, the handshake (:func:`cce_dist.parallel.handshake`): one all-gather of every
-   value that decides which collectives run and with what sizes, each named (the options by their dataclass
+   implementation (``Call.resolve``: a :class:`~cce_dist.core.backend.Backend` or
+   :class:`~cce_dist.core.backend.DistillBackend`), catching the error instead of raising it yet;
+2. with a group of more than one rank, the handshake (:func:`cce_dist.tp.collectives.handshake`): one all-gather of
+   every value that decides which collectives run and with what sizes, each named (the options by their dataclass
    fields), so a rank-local error or a disagreement raises on every rank, naming what differs;
 3. the plan: the communicator, the vocabulary offset, the implementation's keyword options
-   (:func:`cce_dist.prepare.backend_kwargs`, from its declared capabilities) and the token chunk size every rank
+   (:func:`cce_dist.engine.prepare.backend_kwargs`, from its declared capabilities) and the token chunk size every rank
    agrees on.
 """
 
@@ -48,7 +48,7 @@ class Call(Generic[B]):
     """One call of a loss, as the driver needs it.
 
     form        the loss's name in the handshake ("cross-entropy", "logprobs", "distillation")
-    opts        its options (every loss's share the :class:`~cce_dist.options.LossOptions` fields)
+    opts        its options (every loss's share the :class:`~cce_dist.core.options.LossOptions` fields)
     hidden      the (student's) hidden as passed: its device, hidden size and sequence-parallel slice
     weight      the (student's) head ``[V_local, D]`` as passed
     bias        the (student's) bias or None (which of hidden/weight/bias require grad is compared)

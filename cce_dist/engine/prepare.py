@@ -9,7 +9,7 @@ Shapes: ``hidden [..., D]``, ``weight [V_local, D]``, ``targets [...]`` (integer
 ``hidden.shape[0] * P == targets.shape[0]``.
 
 Nothing here touches autograd or process groups: :mod:`cce_dist.api` runs the handshake and the autograd
-Functions, :mod:`cce_dist.compile` the backend's primitives as custom ops.
+Functions, :mod:`cce_dist.engine.compile` the backend's primitives as custom ops.
 """
 
 from __future__ import annotations
@@ -384,10 +384,10 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
 
 
 def resolve_distill_backend(impl: str, device: torch.device, hidden_dim: int) -> DistillBackend:
-    """The distillation implementation for ``impl``: :mod:`cce_dist.distill_triton` where ``impl="triton"`` resolves
-    to the kernels (with its errors where they cannot run), else :mod:`cce_dist.distill_torch`. ``"auto"`` takes the
-    torch implementation on every device: the distillation kernels have been checked in Triton's interpreter and
-    compiled for GPU targets, not yet timed on one. ``hidden_dim``: the smaller head's hidden size."""
+    """The distillation implementation for ``impl``: :mod:`cce_dist.impl.triton_distill` where ``impl="triton"``
+    resolves to the kernels (with its errors where they cannot run), else :mod:`cce_dist.impl.torch_distill`. ``"auto"``
+    takes the torch implementation on every device: the distillation kernels have been checked in Triton's interpreter
+    and compiled for GPU targets, not yet timed on one. ``hidden_dim``: the smaller head's hidden size."""
     if impl != "triton" or resolve_backend(impl, device, hidden_dim) is torch_cross_entropy:
         return torch_distill
     from ..impl import triton_distill
@@ -431,7 +431,7 @@ def backend_kwargs(
     need_sumsq: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{"row_stats": {...}, "grads": {...}}``: the keyword options ``backend`` takes beyond the contract
-    (:data:`~cce_dist.backend.Backend.ROW_STATS_OPTIONS` / ``GRADS_OPTIONS``), plus ``filter_eps`` and
+    (:data:`~cce_dist.core.backend.Backend.ROW_STATS_OPTIONS` / ``GRADS_OPTIONS``), plus ``filter_eps`` and
     ``deterministic`` where it honours them (``SUPPORTS_FILTERING`` / ``DETERMINISTIC_OPTION``).
 
     ``deterministic`` is the requested flag; torch.use_deterministic_algorithms is read here."""

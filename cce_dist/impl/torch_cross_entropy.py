@@ -1,4 +1,4 @@
-"""Pure-PyTorch implementation of the backend contract (:mod:`cce_dist.backend`), any device.
+"""Pure-PyTorch implementation of the backend contract (:mod:`cce_dist.core.backend`), any device.
 
 The logits are formed one token chunk at a time, transposed (``[V_local, n]``, computed as
 ``weight @ hidden_chunk.T``): on CPU this layout runs all three GEMMs (logits, dH, dW) on
@@ -7,7 +7,7 @@ Peak extra memory is one ``[V_local, n]`` float32 block (``n`` from :func:`chunk
 ``O(N + V_local)`` vectors and, for low-precision weights, a float32 dW accumulator. The block
 is allocated once per call and reused by every chunk (:class:`LogitsBlock`):
 a fresh multi-MiB allocation per chunk costs page faults on every first touch, a measurable share
-of the logits GEMM for thin chunks (both measured: docs/design.md, "torch (cce_dist/torch_impl.py)").
+of the logits GEMM for thin chunks (both measured: docs/design.md, "torch (cce_dist/impl/torch_cross_entropy.py)").
 
 On a CPU without native GEMMs for a bf16/fp16 compute dtype (no AVX-512-BF16/AMX: the GEMM is
 emulated, measured far slower than float32: docs/design.md, "Precision contract"), the GEMM
@@ -15,7 +15,7 @@ operands are upcast to float32 once per call (``+4 * (V_local + N) * D`` bytes) 
 rounded to the compute dtype after the GEMM: the same values as a native low-precision GEMM with
 float32 accumulation (:func:`gemm_inputs`).
 
-No autograd and no torch.distributed here: :mod:`cce_dist.autograd` calls these functions and
+No autograd and no torch.distributed here: :mod:`cce_dist.engine.autograd` calls these functions and
 passes a ``reduce_stats`` callback where statistics must be combined across ranks.
 """
 
@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..core import stats as S
 from ..core.backend import ALPHA, BETA, DELTA, GAMMA
 from ..core.options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
 from ..core.runtime import f32_out_gemm, matmul_f32, mm_f32
+from ..core.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET, empty_stats, safe_max
 
-# Capabilities (the cce_dist.backend.Backend protocol).
+# Capabilities (the cce_dist.core.backend.Backend protocol).
 NAME = "torch"
 FUSED_CHUNKING = True  # fused_cross_entropy below is this implementation's scalar-loss schedule
 SUPPORTS_FILTERING = False  # exact: filter_eps is accepted and ignored
@@ -41,7 +41,7 @@ GRADS_OPTIONS = frozenset({"chunk_size"})
 
 def chunk_tokens(n_tokens: int, v_local: int, chunk_size: int | None) -> int:
     """Tokens per chunk: at most ``chunk_size`` logits (at least one token), or for ``None``
-    ``max(DEFAULT_CHUNK_SIZE // v_local, MIN_CHUNK_TOKENS)`` (see :mod:`cce_dist.options`)."""
+    ``max(DEFAULT_CHUNK_SIZE // v_local, MIN_CHUNK_TOKENS)`` (see :mod:`cce_dist.core.options`)."""
     v = max(v_local, 1)
     step = max(DEFAULT_CHUNK_SIZE // v, MIN_CHUNK_TOKENS) if chunk_size is None else chunk_size // v
     return max(1, min(max(n_tokens, 1), step))
@@ -146,30 +146,30 @@ def _chunk_stats(
     """
     v_local, n = z.shape
     if v_local == 0:
-        return S.empty_stats(n, device=z.device)
-    out = z.new_zeros(n, S.NUM_STATS)
+        return empty_stats(n, device=z.device)
+    out = z.new_zeros(n, NUM_STATS)
     rows, cols = target_cols(targets, vocab_start, v_local)
-    out[cols, S.TARGET] = z[rows, cols]
+    out[cols, TARGET] = z[rows, cols]
     if need_sum:  # sum_j z_j * 2**-32 as one GEMV: each term is scaled before it is accumulated
-        out[:, S.SUM] = torch.mv(z.t(), z.new_full((v_local,), S.SUM_SCALE))
+        out[:, SUM] = torch.mv(z.t(), z.new_full((v_local,), SUM_SCALE))
     if need_argmax:  # torch.argmax: the first (lowest) id of the max; as float32, exact below 2**24
-        out[:, S.ARGMAX] = z.argmax(0).float() + vocab_start
+        out[:, ARGMAX] = z.argmax(0).float() + vocab_start
     m = z.amax(0)
-    out[:, S.MAX] = m
-    z.sub_(S.safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, not -inf - -inf = NaN
+    out[:, MAX] = m
+    z.sub_(safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, not -inf - -inf = NaN
     if need_sumsq:  # sum_j exp(2 (z_j - m))
-        out[:, S.SUMSQ] = torch.exp(2.0 * z).sum(0)
+        out[:, SUMSQ] = torch.exp(2.0 * z).sum(0)
     if need_entropy:
         ex = torch.exp(z)
-        out[:, S.SUMEXP] = ex.sum(0)
+        out[:, SUMEXP] = ex.sum(0)
         ent = ex.mul_(z).sum(0)
         bad = torch.nonzero(torch.isnan(ent), as_tuple=True)[0]
         if bad.numel():  # a -inf logit (p = 0) gave 0 * -inf: its term is 0 (NaN logits stay NaN)
             zb = z[:, bad]
             ent[bad] = torch.where(torch.isneginf(zb), 0.0, torch.exp(zb) * zb).sum(0)
-        out[:, S.ENTROPY] = ent
+        out[:, ENTROPY] = ent
     else:
-        out[:, S.SUMEXP] = z.exp_().sum(0)
+        out[:, SUMEXP] = z.exp_().sum(0)
     return out
 
 
@@ -188,13 +188,13 @@ def row_stats(
     need_argmax: bool = False,
     need_sumsq: bool = False,
 ) -> torch.Tensor:
-    """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.backend`).
+    """Row statistics ``float32 [N, NUM_STATS]`` of this shard (contract: :mod:`cce_dist.core.backend`).
 
     ``need_entropy`` / ``need_sum`` / ``need_argmax`` / ``need_sumsq``: form the ENTROPY / SUM / ARGMAX / SUMSQ
     columns (else left 0).
     """
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
-    out = S.empty_stats(n_tokens, device=hidden.device)
+    out = empty_stats(n_tokens, device=hidden.device)
     if n_tokens == 0 or v_local == 0:
         return out
     hidden, weight, bias, round_to = gemm_inputs(hidden, weight, bias)
@@ -242,9 +242,9 @@ class GradAccumulator:
             first, self._dw_written = not self._dw_written, True
             # The chunk's sum over its tokens stays float32 (never rounded to the head dtype) before
             # it joins the float32 accumulation over chunks.
-            # One GEMM with a float32 result where the device has one (cce_dist.runtime: decided once per device and
-            # dtype, never by catching the GEMM's own errors); else the upcast operands (bf16/fp16 products are exact
-            # in float32: the same values, at the cost of float32 copies).
+            # One GEMM with a float32 result where the device has one (cce_dist.core.runtime: decided once per device
+            # and dtype, never by catching the GEMM's own errors); else the upcast operands (bf16/fp16 products are
+            # exact in float32: the same values, at the cost of float32 copies).
             if low and f32_out_gemm(dzc.device, dzc.dtype):
                 part = matmul_f32(dzc, hidden_chunk)
                 if first:
@@ -319,8 +319,8 @@ def inactive_rows_zeroed(hidden_chunk: torch.Tensor, inactive: torch.Tensor) -> 
     return hidden_chunk.index_fill(0, inactive, 0.0) if inactive.numel() else hidden_chunk
 
 
-# The Backend protocol's grads (cce_dist.backend), plus this backend's chunk_size: mypy checks the module against the
-# protocol, and test_backend_signature_is_the_protocols_plus_declared_options (tests/test_signatures.py) that the
+# The Backend protocol's grads (cce_dist.core.backend), plus this backend's chunk_size: mypy checks the module against
+# the protocol, and test_backend_signature_is_the_protocols_plus_declared_options (tests/test_signatures.py) that the
 # extra keywords are the declared GRADS_OPTIONS.
 def grads(
     hidden: torch.Tensor,
@@ -341,7 +341,7 @@ def grads(
     gamma_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ):
-    """Gradients of this shard from the global ``lse`` and ``coef`` (contract: :mod:`cce_dist.backend`).
+    """Gradients of this shard from the global ``lse`` and ``coef`` (contract: :mod:`cce_dist.core.backend`).
 
     Exact: ``filter_eps`` is accepted for interface parity and ignored; always deterministic.
     """
@@ -433,7 +433,7 @@ def fused_cross_entropy(
     the gradient for an upstream gradient of ``row_grad`` on every valid row via
     ``coef_fn(lse, rows) -> coef`` (``rows``: the chunk's slice of the N rows; ``p`` is formed as
     ``exp(z - m) / s``, exactly: the coefficients need no
-    :func:`~cce_dist.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
+    :func:`~cce_dist.core.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
     ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing);
     ``sum_column`` (``float32 [N]``) replaces this shard's SUM column before the exchange, and ``gamma_weights``
     (``float32 [V_local]``) weighs the GAMMA term per vocab row (class weights).
@@ -451,7 +451,7 @@ def fused_cross_entropy(
         z, th = logits_t(hidden[sl], weight, bias, softcap, 1.0, block, round_to)
         local = _chunk_stats(z, targets[sl], vocab_start, need_entropy=False, need_sum=need_sum)  # z := exp(z - m)
         if sum_column is not None:
-            local[:, S.SUM] = sum_column[sl]
+            local[:, SUM] = sum_column[sl]
         glob = reduce_stats(local) if reduce_stats is not None else local
         loss[sl], lse[sl] = rows_fn(glob, sl)
         if acc.dh is None and acc.dw is None and acc.db is None:
@@ -460,7 +460,7 @@ def fused_cross_entropy(
         # roundings, where exp(m_local - lse) would carry the rounding of lse (an ulp of the logits' magnitude)
         c = coef_fn(lse[sl], sl) * row_grad
         inactive = _inactive_rows(c)
-        p_scale = torch.exp(local[:, S.MAX] - glob[:, S.MAX]) / glob[:, S.SUMEXP]
+        p_scale = torch.exp(local[:, MAX] - glob[:, MAX]) / glob[:, SUMEXP]
         dz = _finish_dz(
             z, None, th, c, inactive, targets[sl], vocab_start, 1.0, p_scale=p_scale, gamma_weights=gamma_weights
         )

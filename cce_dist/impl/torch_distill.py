@@ -1,15 +1,15 @@
 """Knowledge distillation from two heads in token chunks: pure PyTorch, any device.
 
 Per token chunk both heads' logits are formed (transposed, ``[V_local, n]`` float32, as in
-:mod:`cce_dist.torch_impl`), never a ``[N, V]`` block. Two passes over the chunk's logits:
+:mod:`cce_dist.impl.torch_cross_entropy`), never a ``[N, V]`` block. Two passes over the chunk's logits:
 
-1. row statistics (:mod:`cce_dist.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
+1. row statistics (:mod:`cce_dist.core.stats` layout, MAX / SUMEXP / TARGET) of the student's soft
    logits, the teacher's soft logits and, with a hard-label term, the student's logits at T=1,
    stacked ``[k * n, NUM_STATS]`` and combined over the group by ``reduce_stats``
-   (:meth:`cce_dist.parallel.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global max and sum;
+   (:meth:`cce_dist.tp.collectives.Comm.reduce_stats`: MAX + SUM or one all-gather) -> global max and sum;
 2. with the global statistics every element's ``log p`` is known, so the divergence's per-row sums
    (and the one auxiliary sum its gradient needs) are plain sums over vocab entries, combined by
-   ``reduce_rows`` (:meth:`cce_dist.parallel.Comm.reduce_sum`).
+   ``reduce_rows`` (:meth:`cce_dist.tp.collectives.Comm.reduce_sum`).
 
 With ``ls = log p_s``, ``lt = log p_t`` (soft: logits / T) the per-row divergences and the
 gradients w.r.t. the student's soft logits ``z_s`` are
@@ -44,7 +44,7 @@ e.g. -4.4 at T=0.05, while ``p1`` is still sizable there). The raw logits' gradi
 is then chained through ``1/T`` and the softcap. Backward (per-row upstream gradients) recomputes
 a chunk from the saved global statistics and rows: no collective but the caller's dH reduction.
 
-No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
+No autograd and no torch.distributed here: :mod:`cce_dist.engine.distill_autograd` passes the callbacks.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import stats as S
 from ..core.options import DistillationOptions
+from ..core.stats import MAX, NUM_STATS, SUMEXP, TARGET, normalizers, safe_max
 from .torch_cross_entropy import (
     GradAccumulator,
     LogitsBlock,
@@ -69,7 +69,7 @@ from .torch_cross_entropy import (
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.backend.DistillBackend
+# the capabilities of cce_dist.core.backend.DistillBackend
 NAME = "torch"
 FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients while the chunk's logits are held
 SUPPORTS_FILTERING = False
@@ -114,7 +114,7 @@ class Heads:
 
 
 class _Buffers:
-    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_impl.LogitsBlock`),
+    """The reusable ``[V_local, n]`` float32 blocks of one call (see :class:`torch_cross_entropy.LogitsBlock`),
     made on first use: the forward KL needs three (``zs``, ``zt``, ``pt``), the others four; a gradient with a
     hard-label term at T != 1 one more (``p1``)."""
 
@@ -132,21 +132,21 @@ class _Buffers:
 
 def _head_stats(z: Tensor, e: Tensor, out: Tensor) -> Tensor:
     """MAX and SUMEXP of ``z [V, n]`` into ``out [n, NUM_STATS]``; ``z -= max`` in place (0 for a row max of -inf:
-    :func:`cce_dist.stats.safe_max`), ``e = exp(z)``.
+    :func:`cce_dist.core.stats.safe_max`), ``e = exp(z)``.
 
     Returns the row max (subtracted from ``z``)."""
     m = z.amax(0)
-    z.sub_(S.safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, e = 0, not NaN
+    z.sub_(safe_max(m))  # a row with no finite logit here (a masked shard): z stays -inf, e = 0, not NaN
     torch.exp(z, out=e)
-    out[:, S.MAX] = m
-    out[:, S.SUMEXP] = e.sum(0)
+    out[:, MAX] = m
+    out[:, SUMEXP] = e.sum(0)
     return m
 
 
 def _normalizers(m: Tensor, glob: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`cce_dist.stats.normalizers` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
+    """:func:`cce_dist.core.stats.normalizers` for this shard's row max ``m [n]`` and the global statistics ``glob [n,
     NUM_STATS]``: ``p = exp(z - m) * c``, ``log p = (z - m) + l`` (never through ``lse``: see the module docstring)."""
-    return S.normalizers(m, glob)
+    return normalizers(m, glob)
 
 
 def _rows_from(glob: Tensor, rows: Tensor, opts: DistillationOptions) -> Tensor:
@@ -194,7 +194,7 @@ def _statistics_pass(heads: Heads, buf: _Buffers, sl: slice, local: Tensor, grad
     t_rows = t_cols = m1 = e1 = None
     if o.hard_label_weight > 0:  # the student's logits at T=1: their statistics and the target logit
         t_rows, t_cols = target_cols(heads.targets[sl], heads.vocab_start, v)
-        local[2, t_cols, S.TARGET] = zs[t_rows, t_cols]
+        local[2, t_cols, TARGET] = zs[t_rows, t_cols]
         # exp(z1 - m1): kept for p1 where T != 1 and a gradient is asked for (formed from the soft logits as
         # exp(z1/T - m)**T it would underflow in float32 wherever z1 - m1 < -87 T while p1 is still sizable)
         e1 = buf.p1.view(n) if (grad and temp != 1.0) else pt
@@ -204,21 +204,21 @@ def _statistics_pass(heads: Heads, buf: _Buffers, sl: slice, local: Tensor, grad
     cross = None
     if o.divergence == "kl":  # three blocks: zs, zt, pt
         m_s = zs.amax(0)
-        zs.sub_(S.safe_max(m_s))
+        zs.sub_(safe_max(m_s))
         m_t = _head_stats(zt, pt, local[1])  # zt = z_t - m_t, pt = exp(zt)
         # sum e_t (zt - zs), this shard's, relative to its maxima; e_t = 0 (a teacher-masked token) adds 0, not
         # 0 * -inf (selected, not multiplied)
         cross = zt.sub_(zs).masked_fill_(pt == 0, 0.0).mul_(pt).sum(0)
         ps = zs.exp_()  # e_s, in place
-        local[0, :, S.SUMEXP] = ps.sum(0)
+        local[0, :, SUMEXP] = ps.sum(0)
     else:
         ps = buf.ps.view(n)
         m_s = _head_stats(zs, ps, local[0])  # zs = z_s - m_s, ps = exp(zs)
         m_t = _head_stats(zt, pt, local[1])
     if m1 is not None:
         m_s = m_s + m1 / temp
-    local[0, :, S.MAX] = m_s
-    s_t = local[1, :, S.SUMEXP].clone()
+    local[0, :, MAX] = m_s
+    s_t = local[1, :, SUMEXP].clone()
     return _Pass(zs, zt, ps, pt, th, m_s, m_t, local, s_t, m1, e1, t_rows, t_cols, cross)
 
 
@@ -239,14 +239,14 @@ def chunk(
     """
     o = heads.opts
     n, k = sl.stop - sl.start, heads.n_stats
-    local = torch.zeros(k, n, S.NUM_STATS, dtype=torch.float32, device=heads.hs.device)
-    local[:, :, S.MAX] = float("-inf")
+    local = torch.zeros(k, n, NUM_STATS, dtype=torch.float32, device=heads.hs.device)
+    local[:, :, MAX] = float("-inf")
     if heads.ws.shape[0] == 0:  # an empty shard still joins every collective
-        glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
+        glob = reduce_stats(local.view(k * n, NUM_STATS)).view(k, n, NUM_STATS)
         rows = reduce_rows(torch.zeros(n, heads.n_rows, dtype=torch.float32, device=local.device))
         return glob.transpose(0, 1), rows, None
     st = _statistics_pass(heads, buf, sl, local, g is not None)
-    glob = reduce_stats(local.view(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS)
+    glob = reduce_stats(local.view(k * n, NUM_STATS)).view(k, n, NUM_STATS)
     norms = (_normalizers(st.m_s, glob[0]), _normalizers(st.m_t, glob[1]))
     # the per-row factors of the gradient: the soft term's (its scale, JSD's 1 - beta, 1/T for the chain to the raw
     # logits) and the hard-label term's, with p1 = exp(z1 - m1) * c1 from the T=1 logits at T != 1 (T=1: p_s)
@@ -341,7 +341,7 @@ def loss_rows(heads: Heads, glob: Tensor, rows: Tensor, sl: slice) -> Tensor:
     loss = o.soft_scale * _rows_from(glob, rows, o)
     if o.hard_label_weight > 0:  # lse1 - z1_target = (M1 - z1_target) + log S1: not rounded at ulp(|lse1|)
         h = glob[:, 2]
-        loss = loss + o.hard_label_weight * ((h[:, S.MAX] - h[:, S.TARGET]) + torch.log(h[:, S.SUMEXP]))
+        loss = loss + o.hard_label_weight * ((h[:, MAX] - h[:, TARGET]) + torch.log(h[:, SUMEXP]))
     return torch.where(heads.valid[sl], loss, torch.zeros_like(loss))
 
 
@@ -371,7 +371,7 @@ def forward(
     n = heads.hs.shape[0]
     dev = heads.hs.device
     loss = torch.zeros(n, dtype=torch.float32, device=dev)
-    stats = torch.empty(n, heads.n_stats, S.NUM_STATS, dtype=torch.float32, device=dev)
+    stats = torch.empty(n, heads.n_stats, NUM_STATS, dtype=torch.float32, device=dev)
     rows = torch.empty(n, heads.n_rows, dtype=torch.float32, device=dev)
     grads = row_grad is not None and any(need)
     acc = GradAccumulator(heads.hs, heads.ws, *need, heads.round_s) if grads else None
@@ -411,7 +411,7 @@ def grads(
         gc = g[sl]
         if not bool(gc.any()):
             continue
-        saved_stats = stats[sl].transpose(0, 1).reshape(-1, S.NUM_STATS)  # the [k * n, NUM_STATS] of forward
+        saved_stats = stats[sl].transpose(0, 1).reshape(-1, NUM_STATS)  # the [k * n, NUM_STATS] of forward
 
         def saved(_, s=saved_stats):
             return s

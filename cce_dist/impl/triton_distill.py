@@ -1,6 +1,6 @@
 """Knowledge distillation from two heads with the Triton kernels (:mod:`cce_dist.kernels.distill`).
 
-The same contract as :mod:`cce_dist.distill_torch` (``Heads``, ``forward``, ``grads``: the same
+The same contract as :mod:`cce_dist.impl.torch_distill` (``Heads``, ``forward``, ``grads``: the same
 per-row statistics ``[N, k, NUM_STATS]``, per-row sums ``[N, n_rows]`` and float32 gradients),
 over all tokens at once instead of token chunks: the kernels hold one logit tile per head per
 program, never a ``[N, V]`` block, so there is nothing to chunk. A forward is one statistics
@@ -9,7 +9,7 @@ for the JSD a second launch (its ``log M`` needs both heads' global statistics),
 gradients are one launch that recomputes both heads' tiles from the global statistics and adds the products
 with float atomics, or with ``deterministic`` two launches without atomics (bitwise repeatable).
 
-No autograd and no torch.distributed here: :mod:`cce_dist.distill_autograd` passes the callbacks.
+No autograd and no torch.distributed here: :mod:`cce_dist.engine.distill_autograd` passes the callbacks.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..core import stats as S
-from . import torch_distill as DT
+from ..core.stats import NUM_STATS
+from . import torch_distill
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.backend.DistillBackend
+# the capabilities of cce_dist.core.backend.DistillBackend
 NAME = "triton"
 FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients after its statistics pass
 SUPPORTS_FILTERING = False
@@ -32,8 +32,8 @@ ROW_STATS_OPTIONS: frozenset[str] = frozenset()
 GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
-class Heads(DT.Heads):
-    """:class:`cce_dist.distill_torch.Heads` with the tensors left in their compute dtypes (the kernels
+class Heads(torch_distill.Heads):
+    """:class:`cce_dist.impl.torch_distill.Heads` with the tensors left in their compute dtypes (the kernels
     round each head's logits to it themselves; no float32 copies for the CPU GEMMs)."""
 
     def __post_init__(self) -> None:
@@ -79,8 +79,8 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     )
 
 
-# forward and grads: the cce_dist.backend.DistillBackend protocol, as distill_torch (mypy checks both modules against it
-# where cce_dist.prepare.resolve_distill_backend returns them).
+# forward and grads: the cce_dist.core.backend.DistillBackend protocol, as torch_distill (mypy checks both modules
+# against it where cce_dist.engine.prepare.resolve_distill_backend returns them).
 def forward(
     heads: Heads,
     step: int,
@@ -91,7 +91,7 @@ def forward(
     deterministic: bool = False,
 ):
     """``(loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)`` as
-    :func:`cce_dist.distill_torch.forward` (``step`` is not used: one pass over all tokens, so one
+    :func:`cce_dist.impl.torch_distill.forward` (``step`` is not used: one pass over all tokens, so one
     ``reduce_stats`` and one ``reduce_rows`` per call on every rank)."""
     o = heads.opts
     n, k = heads.hs.shape[0], heads.n_stats
@@ -99,7 +99,7 @@ def forward(
     grads_wanted = row_grad is not None and any(need)
     if n == 0:  # the same on every rank of a group (the token count is global): no collective
         none = torch.zeros(0, dtype=torch.float32, device=dev)
-        stats, rows = none.new_zeros(0, k, S.NUM_STATS), none.new_zeros(0, heads.n_rows)
+        stats, rows = none.new_zeros(0, k, NUM_STATS), none.new_zeros(0, heads.n_rows)
         out = _grads(heads, stats, rows, none, need, deterministic) if grads_wanted else (None, None, None)
         return (none, stats, rows) + tuple(out)
     kd = _kd()
@@ -107,7 +107,7 @@ def forward(
     local, slabs = kd.stats(
         *_tensors(heads), heads.targets, vocab_start=heads.vocab_start, hard=k == 3, cross=cross, **_geometry(heads)
     )  # [k, n, NUM_STATS]
-    stats = reduce_stats(local.reshape(k * n, S.NUM_STATS)).view(k, n, S.NUM_STATS).transpose(0, 1)
+    stats = reduce_stats(local.reshape(k * n, NUM_STATS)).view(k, n, NUM_STATS).transpose(0, 1)
     if cross is not None:
         local_rows = kd.cross_rows(slabs, stats, cross=cross)
     else:  # the JSD's log M needs both heads' global statistics: a second pass over the tiles
@@ -115,7 +115,7 @@ def forward(
             *_tensors(heads), kd.norms(stats), divergence=o.divergence, beta=o.beta, **_geometry(heads)
         )
     rows = reduce_rows(local_rows)
-    loss = DT.loss_rows(heads, stats, rows, slice(None))
+    loss = torch_distill.loss_rows(heads, stats, rows, slice(None))
     dh = dw = db = None
     if row_grad is not None and grads_wanted:
         g = torch.where(heads.valid, row_grad, 0.0).float()

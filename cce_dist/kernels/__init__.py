@@ -1,6 +1,6 @@
 """Triton kernels of cce_dist (installed as ``cce_dist.kernels``).
 
-Implements the backend contract of :mod:`cce_dist.backend` for one vocab shard:
+Implements the backend contract of :mod:`cce_dist.core.backend` for one vocab shard:
 
 - :func:`row_stats` — per-row statistics ``float32 [N, 5]`` of the logits (forward);
 - :func:`grads` — ``(d_hidden, d_weight, d_bias)`` in float32 from the global ``lse`` and the
@@ -39,7 +39,7 @@ __all__ = [
 #: (pinned by torch 2.10 / 2.11) to 3.9. Outside it ``impl="auto"`` takes the torch path.
 TRITON_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (3, 9))
 
-# Capabilities (the cce_dist.backend.Backend protocol).
+# Capabilities (the cce_dist.core.backend.Backend protocol).
 NAME = "triton"
 FUSED_CHUNKING = False
 SUPPORTS_FILTERING = True
@@ -93,7 +93,7 @@ def available() -> bool:
 
 # row_stats and grads are .forward.row_stats and .backward.grads themselves, imported on first use (so this package
 # imports without triton): their signatures are those functions' own, nothing restates them. mypy reads the imports
-# below and checks them against the cce_dist.backend.Backend protocol; tests/test_signatures.py checks that each
+# below and checks them against the cce_dist.core.backend.Backend protocol; tests/test_signatures.py checks that each
 # public keyword beyond the protocol's is a declared option (ROW_STATS_OPTIONS / GRADS_OPTIONS).
 if TYPE_CHECKING:  # pragma: no cover
     from .backward import grads

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the cce_dist kernels for GPU targets this machine does not have.
 
-A launch on a real device goes: launcher (``forward.plan`` / ``backward.plan``) -> the
+A launch on a real device goes: launcher (``forward.plan_row_stats`` / ``backward.plan_grads``) -> the
 JITFunction's binder (``specialize_impl`` per argument: dtype, int/float type, the 16-byte
 divisibility of pointers and ints, ints equal to 1 turned into constexprs) -> ``_pack_args`` ->
 ``triton.compile``. :func:`compile_launch` runs that same path with the backend of an explicit
@@ -167,7 +167,7 @@ def forward_launches(
 ):
     """``[(kernel, grid, args, kwargs)]``: one per forward config the autotuner may pick on ``props``."""
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
-    args, flags, configs, splits_of, _out = _fwd.plan(
+    args, flags, configs, splits_of, _out = _fwd.plan_row_stats(
         h,
         w,
         b,
@@ -224,7 +224,7 @@ def backward_launches(
     h, w, b, t = _meta_inputs(n, d, v, dtype, bias)
     lse = torch.empty(n, dtype=torch.float32, device="meta")
     coef = torch.empty(n, 4, dtype=torch.float32, device="meta")
-    *_outs, launches = _bwd.plan(
+    *_outs, launches = _bwd.plan_grads(
         h,
         w,
         b,

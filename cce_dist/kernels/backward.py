@@ -1,7 +1,7 @@
 """Backward kernels: gradients w.r.t. hidden states, head weight and bias of one vocab shard,
 recomputing logit tiles from the global ``lse`` instead of storing logits or probabilities.
 
-For a tile of rows I and vocab rows J (see :mod:`cce_dist.backend` for the coefficients):
+For a tile of rows I and vocab rows J (see :mod:`cce_dist.core.backend` for the coefficients):
 
     z, s  = transform(round(h_I @ W_J.T + b_J))         same code path as the forward kernel
     p     = exp(z - lse_I)
@@ -302,10 +302,10 @@ def _add_products(
             )
 
 
-# The four kernels take the shared parameters in one order (plan() builds their arguments from the same pieces;
-# tests/test_signatures.py's test_kernel_parameter_lists_agree checks the order, and tests/test_aot_compile.py compiles
-# every launch plan() builds): each names what it reads and passes the shared part on to the helpers as written out
-# above.
+# The four kernels take the shared parameters in one order (plan_grads() builds their arguments from the same
+# pieces; tests/test_signatures.py's test_kernel_parameter_lists_agree checks the order, and tests/test_aot_compile.py
+# compiles every launch plan_grads() builds): each names what it reads and passes the shared part on to the helpers as
+# written out above.
 @triton.jit
 def _grads_fused_kernel(
     H,
@@ -394,7 +394,7 @@ def _grads_fused_kernel(
 
 
 # Its parameter list is _grads_fused_kernel's, with the dz scratch and the db partial sums in place of the gradients
-# (plan() builds both from the same pieces; test_kernel_parameter_lists_agree in tests/test_signatures.py).
+# (plan_grads() builds both from the same pieces; test_kernel_parameter_lists_agree in tests/test_signatures.py).
 @triton.jit
 def _dz_store_kernel(
     H,
@@ -675,7 +675,7 @@ def _chunk_shape(n: int, v: int, block_n: int, block_v: int, elt: int, need_bias
 def _chunked_verdict(device: torch.device, deterministic: bool) -> tuple[bool, str]:
     """``(fits, why)``: whether the chunked schedule can run (at any N: its row blocks keep the scratch within
     ``CHUNK_SCRATCH_BYTES``), and a reason for the log. On a CUDA device it needs that much memory available to an
-    allocation (:func:`cce_dist.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
+    allocation (:func:`cce_dist.core.runtime.free_bytes`: the driver's free memory plus what torch's caching allocator
     holds reserved but unused; the driver alone counts the allocator's cache as used, which in a warmed-up training
     loop would push every call onto the atomic schedule); and, for ``deterministic`` under
     ``torch.use_deterministic_algorithms``, cuBLAS pinned to a fixed workspace (else torch refuses the GEMMs)."""
@@ -703,7 +703,7 @@ def _chunked_launches(
     those dW rows may stay in L2),
     ``dH[rows] += dz @ W[chunk]`` (fp32), ``db[chunk] (+)=`` the column sums of the block's token
     tiles. No atomics; every sum runs in a fixed order, so results are bitwise repeatable.
-    ``max_rows``: see :func:`plan`'s ``_chunk_rows``."""
+    ``max_rows``: see :func:`plan_grads`'s ``_chunk_rows``."""
     n, v = hidden.shape[0], weight.shape[0]
     bn, bv = flags["BLOCK_N"], flags["BLOCK_V"]
     dz_flags = {k: val for k, val in flags.items() if k != "BLOCK_D_OUT"}
@@ -752,7 +752,7 @@ def _chunked_launches(
 
 
 def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> None:
-    """The debug line naming the backward schedule :func:`plan` chose, why, its config and its GEMM path."""
+    """The debug line naming the backward schedule :func:`plan_grads` chose, why, its config and its GEMM path."""
     n, v = hidden.shape[0], weight.shape[0]
     extra = ""
     if schedule == "chunked":
@@ -908,10 +908,10 @@ def _owner_launches(common, scalars, flags, dh, dw, db, props, tuned, launch):
     return launches
 
 
-# plan() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
+# plan_grads() takes grads()'s arguments (plus the device record and the TF32 switch that a launch reads
 # from the device and torch), and grads() passes them on: test_backward_plan_takes_grads_arguments in
 # tests/test_signatures.py compares the two signatures.
-def plan(
+def plan_grads(
     hidden,
     weight,
     bias,
@@ -1056,7 +1056,7 @@ def grads(
         if gamma_weights.shape != (weight.shape[0],):
             raise ValueError(f"gamma_weights must be [V_local] = [{weight.shape[0]}], got {tuple(gamma_weights.shape)}")
         gamma_weights = gamma_weights.to(torch.float32).contiguous()
-    dh, dw, db, launches = plan(
+    dh, dw, db, launches = plan_grads(
         hidden,
         weight,
         bias,

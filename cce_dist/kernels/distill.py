@@ -1,6 +1,6 @@
 """Knowledge-distillation kernels: two heads' logit tiles per (token tile, vocab tile), never stored.
 
-The numbers are those of :mod:`cce_dist.distill_torch` (its module docstring has the formulas).
+The numbers are those of :mod:`cce_dist.impl.torch_distill` (its module docstring has the formulas).
 Per tile the student's and the teacher's logits are recomputed with the shared
 :func:`._common.logit_tile` / :func:`._common.transform` path (each head with its own hidden size,
 compute dtype, bias and softcap; one temperature):
@@ -11,7 +11,7 @@ Up to three launches, each over the same tiles (the teacher's tile is the one ex
 
 1. :func:`stats` -- per (token tile, vocab split) program, online MAX / SUMEXP of ``z_s`` and
    ``z_t`` and, with a hard-label term, of ``c_s`` (the student at T=1) with its TARGET value:
-   ``float32 [k, N, NUM_STATS]`` (:mod:`cce_dist.stats` layout, k = 2 or 3), splits merged here.
+   ``float32 [k, N, NUM_STATS]`` (:mod:`cce_dist.core.stats` layout, k = 2 or 3), splits merged here.
    The caller combines them over a group (``reduce_stats``) into the global statistics. For the forward
    (reverse) KL the same pass also forms ``sum e_t ((z_t - m_t) - (z_s - m_s))`` (or with s and t
    swapped) relative to the running maxima, which :func:`cross_rows` turns into the divergence's
@@ -35,7 +35,7 @@ an absolute error in every ``log p`` and a relative one in every ``p``, 30-100x 
 float32 program's near ``p = 1`` with large logits. Two per-row numbers per head instead of one
 (a float64 lse would take the same registers and float64 arithmetic on every tile element).
 
-No autograd and no torch.distributed here: :mod:`cce_dist.distill_triton` passes the reductions.
+No autograd and no torch.distributed here: :mod:`cce_dist.impl.triton_distill` passes the reductions.
 """
 
 from __future__ import annotations
@@ -1027,7 +1027,7 @@ def plan_stats(
     """Pass 1 without launching: ``((kernel, grid, args, kwargs), out [splits, k, N, NUM_STATS])``.
 
     Works on ``meta`` tensors (tests/test_aot_compile.py compiles exactly this launch for ``props``).
-    Arguments as in :func:`stats`; ``props`` / ``allow_tf32`` as in :func:`.forward.plan`."""
+    Arguments as in :func:`stats`; ``props`` / ``allow_tf32`` as in :func:`.forward.plan_row_stats`."""
     ln = _Launch(hs, ws, bs, ht, wt, bt, softcap, temperature, props, allow_tf32, _blocks)
     k = 3 if hard else 2
     splits = ln.splits(_splits)
@@ -1186,7 +1186,7 @@ def stats(
 
 def norms(stats):
     """``float32 [N, k, 2]``, what the later launches take of the global statistics ``stats float32 [N, k,
-    NUM_STATS]`` (:mod:`cce_dist.stats` layout, one block per head): per head the row max ``M`` and ``log S``,
+    NUM_STATS]`` (:mod:`cce_dist.core.stats` layout, one block per head): per head the row max ``M`` and ``log S``,
     ``S = sum exp(z - M)``, so that ``log p = (z - M) - log S`` is formed without the rounding of ``M + log S``."""
     return torch.stack([stats[..., MAX], torch.log(stats[..., SUMEXP])], -1).to(torch.float32).contiguous()
 
@@ -1195,7 +1195,7 @@ def cross_rows(slabs, stats, *, cross):
     """This shard's forward (``cross="kl"``) or reverse KL sums ``float32 [N, 1]`` from the split
     ``slabs`` of :func:`stats` and the global statistics ``stats float32 [N, >= 2, NUM_STATS]`` (student,
     teacher): ``sum_j p_a,j (log p_a,j - log p_b,j) = sum_splits c_a (x + (l_a - l_b) s_a)`` with
-    ``(c, l)`` the split max's :func:`cce_dist.stats.normalizers` (``p = exp(z - m) c``, ``log p = (z - m) + l``),
+    ``(c, l)`` the split max's :func:`cce_dist.core.stats.normalizers` (``p = exp(z - m) c``, ``log p = (z - m) + l``),
     a the weighting head (teacher for kl)."""
     ia = {"kl": 1, "reverse_kl": 0}[cross]
     ib = 1 - ia

@@ -1,12 +1,12 @@
 """Forward kernel: per-row statistics of the logits over one vocab shard, without materializing
-them. See :mod:`cce_dist.stats` for the statistics and :mod:`cce_dist.backend` for the contract.
+them. See :mod:`cce_dist.core.stats` for the statistics and :mod:`cce_dist.core.backend` for the contract.
 
 Tiling: program ``(pid_n, pid_s)`` owns the token tile ``pid_n`` and the ``pid_s``-th contiguous
 range of the shard's vocab rows (a "split"). It walks its range in ``BLOCK_V`` tiles, recomputes
 each logit tile with ``tl.dot`` (fp32 accumulation over ``BLOCK_D`` chunks of D), and folds it
 into running per-row statistics held in registers (online max / rescaled sums, as in flash
 attention). Each split writes one ``[N, 5]`` slab; when there is more than one split (small N on
-a big GPU: more programs for occupancy) the slabs are merged with :func:`cce_dist.stats.combine_stack`.
+a big GPU: more programs for occupancy) the slabs are merged with :func:`cce_dist.core.stats.combine_stack`.
 Extra memory: ``splits * N * 5`` floats.
 """
 
@@ -24,7 +24,7 @@ from cce_dist.core.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack
 from . import config as _config
 from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
 
-_SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.stats)
+_SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.core.stats)
 _FLOOR = tl.constexpr(-3.4028234663852886e38)  # the lowest finite float32: where the running max starts
 
 
@@ -142,7 +142,7 @@ def _row_stats_kernel(
         new_m = tl.maximum(m, tile_m)
         if NEED_ARGMAX:  # the tile's lowest id of its max; tiles come in increasing ids, so a tie keeps the earlier
             lane = tl.arange(0, BLOCK_V)  # int32 lanes: half the registers of the int64 offsets
-            # torch.argmax's rule (cce_dist.stats.holds_max): a NaN is the max, the first one wins (tl.max skips
+            # torch.argmax's rule (cce_dist.core.stats.holds_max): a NaN is the max, the first one wins (tl.max skips
             # NaN). One reduction: a NaN lane's key is lane - BLOCK_V (< 0), a lane of the max its lane.
             arg_key = tl.where(z_m == tile_m[:, None], lane[None, :], BLOCK_V)
             tile_arg = tl.min(tl.where(z_m != z_m, lane[None, :] - BLOCK_V, arg_key), axis=1)
@@ -212,8 +212,8 @@ def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _tuned_kernel(configs: list[_config.FwdConfig]):
-    """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan` picked for the
-    device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
+    """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan_row_stats` picked
+    for the device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
     key = tuple(configs)
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(configs=[_triton_config(c) for c in configs], key=["D", "V"])(_row_stats_kernel)
@@ -262,8 +262,8 @@ def _splits_of(n: int, v: int, props, splits) -> Callable[[_config.FwdConfig], i
 
 
 def _flags(dtype, has_bias: bool, has_softcap: bool, has_temp: bool, needs: dict, precision: str) -> dict:
-    """The kernel's constexpr keyword arguments (``needs``: plan's ``need_*`` values by name), plus the FP-fusion
-    compile option outside the interpreter."""
+    """The kernel's constexpr keyword arguments (``needs``: plan_row_stats's ``need_*`` values by name), plus the
+    FP-fusion compile option outside the interpreter."""
     flags = dict(
         HAS_BIAS=has_bias,
         HAS_SOFTCAP=has_softcap,
@@ -281,7 +281,7 @@ def _flags(dtype, has_bias: bool, has_softcap: bool, has_temp: bool, needs: dict
     return flags
 
 
-def plan(
+def plan_row_stats(
     hidden,
     weight,
     bias,
@@ -347,7 +347,7 @@ def plan(
     return args, flags, configs, splits_of, out
 
 
-# row_stats takes plan's arguments (less the AOT-only props / allow_tf32) and passes them on.
+# row_stats takes plan_row_stats's arguments (less the AOT-only props / allow_tf32) and passes them on.
 def row_stats(
     hidden,
     weight,
@@ -367,11 +367,11 @@ def row_stats(
     """Per-row logit statistics of one vocab shard: ``float32 [N, NUM_STATS]``.
 
     ``hidden [N, D]``, ``weight [V_local, D]`` (same dtype: fp32/bf16/fp16), ``bias [V_local]`` or
-    None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.backend` for the exact definition.
+    None, ``targets [N]`` int64 global ids. See :mod:`cce_dist.core.backend` for the exact definition.
     ``need_sum=False`` / ``need_entropy=False`` skip the SUM / ENTROPY statistics (their columns then
     carry no meaning): the cross-entropy without label smoothing reads neither, and the per-logit
     epilogue is about half as long without them. ``need_argmax`` / ``need_sumsq``: the row outputs' ARGMAX /
-    SUMSQ columns (:mod:`cce_dist.outputs`).
+    SUMSQ columns (:mod:`cce_dist.core.outputs`).
     ``_splits`` / ``_blocks`` (tests only) force the number of vocab splits and the
     ``(BLOCK_N, BLOCK_V, BLOCK_D)`` tiles.
     """
@@ -385,7 +385,7 @@ def row_stats(
         return empty_stats(n, device)
 
     targets = targets.to(torch.int64)
-    args, flags, configs, splits_of, out = plan(
+    args, flags, configs, splits_of, out = plan_row_stats(
         hidden,
         weight,
         bias,

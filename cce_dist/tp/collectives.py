@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core import stats as S
+from ..core import stats
 from ..core.shard import VocabShard
 
 #: ``stats_collective="auto"`` all-gathers the raw statistics (one round trip, P * 5 floats per row
@@ -290,7 +290,7 @@ def max_id_key(m: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``int64 [n]`` keys whose maximum over ranks is the larger max and, on a tie, the lower id: the float32 max's
     bits, made monotone as a signed int32, in the high 32 bits; ``2**31 - 1 - id`` in the low ones (an id of +inf,
     an empty slice's, gives 0: it never wins a tie). Exact (:func:`from_max_id_key` recovers both). A NaN max (a
-    slice holding a NaN logit, :func:`cce_dist.stats.holds_max`) is one positive NaN, above +inf, whatever its sign
+    slice holding a NaN logit, :func:`cce_dist.core.stats.holds_max`) is one positive NaN, above +inf, whatever its sign
     and payload: the NaN slices win, the lowest NaN id among them (``torch.argmax``'s rule)."""
     m = m.float() + 0.0  # + 0.0: -0.0 becomes +0.0, which it equals
     bits = torch.where(torch.isnan(m), _NAN_BITS, m.contiguous().view(torch.int32))
@@ -337,23 +337,23 @@ class Comm:
         if method == "allgather":
             out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
             dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
-            return S.combine_stack(out)
+            return stats.combine_stack(out)
         if extras:
-            key = max_id_key(local[:, S.MAX], local[:, S.ARGMAX])
+            key = max_id_key(local[:, stats.MAX], local[:, stats.ARGMAX])
             dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
             m, ids = from_max_id_key(key)
         else:
-            m = local[:, S.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
+            m = local[:, stats.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
-            ids = local[:, S.ARGMAX]
-        r = S.rescale(local, m)
-        cols = list(S.ADDITIVE if extras else (S.SUMEXP, S.TARGET, S.SUM, S.ENTROPY))
+            ids = local[:, stats.ARGMAX]
+        r = stats.rescale(local, m)
+        cols = list(stats.ADDITIVE if extras else (stats.SUMEXP, stats.TARGET, stats.SUM, stats.ENTROPY))
         rest = r[:, cols].contiguous()
         dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
         out = r
         out[:, cols] = rest
-        out[:, S.MAX] = m
-        out[:, S.ARGMAX] = ids
+        out[:, stats.MAX] = m
+        out[:, stats.ARGMAX] = ids
         return out
 
     def _group_shard(self) -> VocabShard | None:
