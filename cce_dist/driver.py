@@ -28,7 +28,7 @@ from . import torch_impl
 from .autograd import Plan
 from .backend import Capabilities
 from .options import CommonOptions, LossOptions, handshake_options
-from .parallel import Comm, Layout, VocabShard, handshake
+from .parallel import Comm, Layout, VocabShard, handshake, released
 from .prepare import (
     Prepared,
     backend_kwargs,
@@ -184,6 +184,7 @@ def _cheap_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Lay
     import torch.distributed as dist
 
     buf = torch.tensor([shard.stop, shard.local_size], dtype=torch.int64, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    with released([buf]):  # see parallel.released: the worker thread must not outlive the call with it
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
     v, max_local = (int(x) for x in buf.tolist())
     return Layout(vocab_size=v, n_tokens=n_tokens, max_local=max_local)
