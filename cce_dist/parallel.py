@@ -1,7 +1,8 @@
 """The stable public path of the tensor-parallel protocol's names (``cce_dist.parallel``), kept for code that imports
 them from here. The code lives in :mod:`cce_dist.core.shard` (:class:`VocabShard`) and
-:mod:`cce_dist.tp.collectives` (the handshake, the collectives, ``AUTO_ALLGATHER_MAX_ROWS_X_RANKS``); this module
-only re-exports them (tests/test_layering.py)."""
+:mod:`cce_dist.tp.collectives` (the handshake, the collectives, ``AUTO_ALLGATHER_MAX_ROWS_X_RANKS``, and
+``released``, for a script's own last gloo collective: docs/reliability.md, "A clean exit"); this module only
+re-exports them (tests/test_layering.py)."""
 
 from .core.shard import StatsCollective, VocabShard
 from .tp.collectives import (
@@ -16,6 +17,7 @@ from .tp.collectives import (
     from_max_id_key,
     handshake,
     max_id_key,
+    released,
     targets_checksum,
     values_checksum,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "from_max_id_key",
     "handshake",
     "max_id_key",
+    "released",
     "targets_checksum",
     "values_checksum",
 ]

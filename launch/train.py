@@ -504,8 +504,14 @@ class RunResults:
 
 def finish(topo: Topology, status: int) -> int:
     """Every rank returns rank 0's exit status; the process group is torn down."""
+    from cce_dist.parallel import released
+
     st = torch.tensor([float(status)], device=topo.device)
-    dist.broadcast(st, 0)
+    # The run's last collective: returning only once gloo's worker thread has let go of `st` keeps that thread from
+    # asking for the GIL while the interpreter shuts down (an abort at exit otherwise; docs/reliability.md, "A clean
+    # exit").
+    with released([st]):
+        dist.broadcast(st, 0)
     dist.destroy_process_group()
     return int(st.item())
 
@@ -730,10 +736,4 @@ def plot(summary, names, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The run is over (outputs written, the process group destroyed): leave without the interpreter's teardown.
-    # A rank has been seen aborting there ("terminate called without an active exception", exit -6) after a
-    # finished, correct run, which torchrun then reports as a failed job.
-    os._exit(code)
+    sys.exit(main())

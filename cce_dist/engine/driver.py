@@ -29,7 +29,7 @@ from ..core.backend import Capabilities
 from ..core.options import CommonOptions, LossOptions, handshake_options
 from ..core.shard import VocabShard
 from ..impl import torch_cross_entropy
-from ..tp.collectives import Comm, Layout, handshake
+from ..tp.collectives import Comm, Layout, handshake, released
 from .autograd import Plan
 from .prepare import Prepared, backend_kwargs, check_target_range, grad_needs, resolve_filter_eps
 
@@ -181,6 +181,7 @@ def _cheap_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Lay
     import torch.distributed as dist
 
     buf = torch.tensor([shard.stop, shard.local_size], dtype=torch.int64, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    with released([buf]):  # see tp.collectives.released: the worker thread must not outlive the call with it
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
     v, max_local = (int(x) for x in buf.tolist())
     return Layout(vocab_size=v, n_tokens=n_tokens, max_local=max_local)

@@ -19,8 +19,11 @@ Per call, on a group of ``P`` ranks:
 
 from __future__ import annotations
 
+import sys
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,56 @@ from ..core.shard import VocabShard
 #: timings: benchmarks/results/tp_collectives.md). The decision depends only on N and P, so every
 #: rank makes the same one.
 AUTO_ALLGATHER_MAX_ROWS_X_RANKS = 32768
+
+
+#: the longest :func:`released` waits for a backend's worker thread to let go of a finished collective's tensors
+RELEASE_TIMEOUT_S = 10.0
+
+
+def _owners(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Per tensor: its C++ owners (``_use_count``) and the references to its Python object (``sys.getrefcount``;
+    while C++ owners besides the Python object exist, one of these is theirs)."""
+    return [(t._use_count(), sys.getrefcount(t)) for t in tensors]  # type: ignore[attr-defined]  # not in the stubs
+
+
+@contextmanager
+def released(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Run the blocking collective on ``tensors`` in the ``with`` body; leave only once the backend holds none of them.
+
+    Why (issue 28, item 6): gloo runs a collective on a worker thread of the process group. ``wait()`` wakes the
+    caller as soon as the result is there, and the worker drops its reference to the operation (a ``Work`` holding
+    the tensors) a moment later. If the caller has dropped its own by then (a blocking ``dist.all_reduce`` does, on
+    return), the worker destroys the ``Work`` and with it the last C++ reference to a tensor that has a Python
+    object, which takes the GIL (torch's PyObject preservation). When the collective was among a script's last, the
+    interpreter may be finalizing by then (the worker thread was not scheduled in between, e.g. on a busy machine);
+    CPython ends a thread that asks for the GIL then with ``pthread_exit``, whose unwinding through that ``noexcept``
+    destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT at exit after a
+    correct run (a core dump shows ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+    ``PyThread_exit_thread`` on a ``ProcessGroupGloo::runLoop`` thread while the main thread is in
+    ``Py_FinalizeEx``). ``destroy_process_group`` does not help: the group's worker threads outlive it.
+
+    So, after the body, wait (sleeping, which releases the GIL the worker may need) until every tensor has as many
+    owners and Python references as before it: then the worker has destroyed the ``Work`` and, where that took the
+    GIL, finished with it. Nearly always the first check passes (the worker was quicker than the caller); the wait is
+    bounded by :data:`RELEASE_TIMEOUT_S` in case something else keeps the operation alive. Only CPU tensors are
+    waited for: there the call returns after the collective ran. With CUDA tensors (NCCL) it returns once the
+    collective is queued, and the tensors are released when the device is done: waiting would serialize the host
+    with the device. A body that raises is not waited for."""
+    tensors = list(tensors)
+    if not all(t.device.type == "cpu" for t in tensors):
+        yield
+        return
+    before = _owners(tensors)
+    yield
+    deadline = None
+    delay = 0.0
+    while any(now[0] > was[0] or now[1] > was[1] for now, was in zip(_owners(tensors), before)):
+        if deadline is None:
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        elif time.monotonic() > deadline:
+            return
+        time.sleep(delay)  # releases the GIL
+        delay = min(max(2 * delay, 1e-5), 1e-3)
 
 
 class InputError(ValueError):
@@ -164,7 +217,8 @@ def handshake(
     else:
         buf = info.to(device)
         gathered = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(gathered, buf, group=shard.group)
+        with released([buf, *gathered]):
+            dist.all_gather(gathered, buf, group=shard.group)
         rows = torch.stack(gathered).cpu()
     if error is not None:
         raise error
@@ -336,20 +390,25 @@ class Comm:
             method = "allgather" if local.shape[0] * self.world <= AUTO_ALLGATHER_MAX_ROWS_X_RANKS else "allreduce"
         if method == "allgather":
             out = torch.empty((self.world,) + tuple(local.shape), dtype=local.dtype, device=local.device)
-            dist.all_gather(list(out.unbind(0)), local.contiguous(), group=self.group)
+            parts, src = list(out.unbind(0)), local.contiguous()
+            with released([src, *parts]):
+                dist.all_gather(parts, src, group=self.group)
             return stats.combine_stack(out)
         if extras:
             key = max_id_key(local[:, stats.MAX], local[:, stats.ARGMAX])
-            dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
+            with released([key]):
+                dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
             m, ids = from_max_id_key(key)
         else:
             m = local[:, stats.MAX].clone()  # not contiguous(): for one row that is a view, and the reduce is in place
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+            with released([m]):
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
             ids = local[:, stats.ARGMAX]
         r = stats.rescale(local, m)
         cols = list(stats.ADDITIVE if extras else (stats.SUMEXP, stats.TARGET, stats.SUM, stats.ENTROPY))
         rest = r[:, cols].contiguous()
-        dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
+        with released([rest]):
+            dist.all_reduce(rest, op=dist.ReduceOp.SUM, group=self.group)
         out = r
         out[:, cols] = rest
         out[:, stats.MAX] = m
@@ -366,7 +425,8 @@ class Comm:
         if not self.active:
             return local
         out = local.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        with released([out]):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
     def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -375,7 +435,9 @@ class Comm:
         if shard is None or not shard.sequence_parallel:
             return hidden
         out = hidden.new_empty((self.world * hidden.shape[0],) + tuple(hidden.shape[1:]))
-        dist.all_gather(list(out.chunk(self.world, 0)), hidden.contiguous(), group=self.group)
+        parts, src = list(out.chunk(self.world, 0)), hidden.contiguous()
+        with released([src, *parts]):
+            dist.all_gather(parts, src, group=self.group)
         return out
 
     def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -395,9 +457,13 @@ class Comm:
             parts = list(dh.chunk(self.world, 0))
             out = torch.empty_like(parts[0])
             if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
-                dist.all_reduce(dh, group=self.group)
+                with released([dh]):
+                    dist.all_reduce(dh, group=self.group)
                 return parts[shard.rank].clone()
-            dist.reduce_scatter(out, [p.contiguous() for p in parts], group=self.group)
+            inputs = [p.contiguous() for p in parts]
+            with released([out, *inputs]):
+                dist.reduce_scatter(out, inputs, group=self.group)
             return out
-        dist.all_reduce(dh, group=self.group)
+        with released([dh]):
+            dist.all_reduce(dh, group=self.group)
         return dh
