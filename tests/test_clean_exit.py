@@ -7,7 +7,8 @@ busy 2-core machine, so this is a stress test: it runs the scenario of tests/exi
 of a sharded head, ``destroy_process_group``, a normal return) ``CCE_DIST_EXIT_RUNS`` times (default 5: each case
 once, cycling through them; a run costs 5 to 15 s here, mostly two interpreters importing torch), each rank its own
 interpreter, and asserts that every rank of every run printed its ``ok`` and exited with status 0. To measure a rate,
-raise the count, e.g. ``CCE_DIST_EXIT_RUNS=200``.
+raise the count and lift pytest-timeout's 600 s, e.g. ``CCE_DIST_EXIT_RUNS=200 pytest --timeout=0
+tests/test_clean_exit.py``.
 """
 
 from __future__ import annotations
