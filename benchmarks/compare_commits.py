@@ -32,8 +32,10 @@ def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
     return cols, rows
 
 
-def compare(before: pathlib.Path, after: pathlib.Path) -> str:
+def compare(before: pathlib.Path, after: pathlib.Path, note: str = "") -> str:
     out = ["# cce_dist before and after a change: ratios to the peer of the same run", ""]
+    if note:
+        out += [note, ""]
     for name in BENCHMARKS:
         b, a = before / f"{name}.md", after / f"{name}.md"
         if not (b.exists() and a.exists()):
@@ -62,8 +64,9 @@ def main() -> None:
     ap.add_argument("before", type=pathlib.Path)
     ap.add_argument("after", type=pathlib.Path)
     ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--note", default="", help="a paragraph under the title: how the runs were made")
     args = ap.parse_args()
-    args.out.write_text(compare(args.before, args.after))
+    args.out.write_text(compare(args.before, args.after, args.note))
     print(args.out.read_text())
 
 
