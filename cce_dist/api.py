@@ -19,27 +19,20 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from .core import stats as S
-from .core.backend import Backend
 from .core.class_weight import ClassWeights
 from .core.options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, Reduction
 from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .core.shard import VocabShard
 from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
-from .engine.driver import Call, plan_call
+from .engine.driver import Call, StatsNeeds, plan_call
 from .engine.prepare import (
     Prepared,
-    check_class_weight,
     check_class_weight_length,
-    check_row_stats_support,
     cross_entropy_result,
     grad_needs,
     is_dtensor,
     logprob_result,
-    prepare_rows,
-    resolve_backend,
 )
-from .tp.collectives import values_checksum
 
 Tensor = torch.Tensor
 
@@ -50,77 +43,17 @@ def _through_ops(hidden) -> bool:
     return torch.compiler.is_compiling() or (isinstance(hidden, torch.Tensor) and hidden.device.type == "meta")
 
 
-def _call(
-    form: str,
-    hidden,
-    weight,
-    targets,
-    bias,
-    opts: CrossEntropyOptions | LogprobOptions,
-    extra,
-    class_weight=None,
-    *,
-    compiling: bool = False,
-) -> Call:
-    """The driver's description of a one-head call (cross-entropy or logprobs; ``class_weight``: cross-entropy's).
-
-    ``compiling``: the backend is the custom ops (:func:`_through_ops`), which check the target ids when they run
-    (reading them to the host here would break the graph)."""
+def _needs(opts: CrossEntropyOptions | LogprobOptions, class_weight=None) -> StatsNeeds:
+    """The optional statistics a one-head call's outputs read."""
     needs = stats_needed(opts.row_outputs)
     smoothing = isinstance(opts, CrossEntropyOptions) and bool(opts.label_smoothing)
-
-    def prepare() -> Prepared:
-        if isinstance(opts, CrossEntropyOptions):
-            check_class_weight(class_weight, hidden, weight, opts)
-        return prepare_rows(hidden, weight, targets, bias, opts, check_ids=not compiling)
-
-    def resolve(rows: Prepared) -> Backend:
-        if compiling:
-            from .engine import compile as C
-
-            backend: Backend = C.ops_backend(opts.impl, hidden, opts.ignore_index)
-        else:
-            backend = resolve_backend(opts.impl, hidden.device, hidden.shape[-1])
-        check_row_stats_support(backend, needs, opts.row_outputs)
-        return backend
-
-    return Call(
-        form=form,
-        opts=opts,
-        hidden=hidden,
-        weight=weight,
-        bias=bias,
-        prepare=prepare,
-        resolve=resolve,
-        extra=lambda rows: extra + _class_weight_values(class_weight, rows),
-        need_entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
+    return StatsNeeds(
+        entropy=isinstance(opts, LogprobOptions) and opts.return_entropy,
         # with class weights the smoothing term's (weighted) sum is formed outside the implementation
-        need_sum=needs["need_sum"] or (smoothing and class_weight is None),
-        need_argmax=needs["need_argmax"],
-        need_sumsq=needs["need_sumsq"],
+        sum=needs["need_sum"] or (smoothing and class_weight is None),
+        argmax=needs["need_argmax"],
+        sumsq=needs["need_sumsq"],
     )
-
-
-def _class_weight_values(class_weight, rows: Prepared | None) -> tuple[tuple[str, object], ...]:
-    """The handshake's checksum of ``class_weight``'s values (every rank must pass the same vector): formed only on a
-    rank whose inputs validated (``rows`` not None), so a malformed ``class_weight`` raises in the handshake instead."""
-    if class_weight is None:
-        return ()
-    return (("class_weight's values (checksum)", None if rows is None else values_checksum(class_weight)),)
-
-
-def _plan(call: Call) -> tuple[Prepared, Plan]:
-    """The driver's validation and plan (:func:`cce_dist.engine.driver.plan_call`), then what the one-head losses check
-    against the vocabulary every rank agreed on: eager and compiled calls alike, before the loss is computed."""
-    rows, plan = plan_call(call)
-    opts = call.opts
-    assert isinstance(opts, (CrossEntropyOptions, LogprobOptions))
-    if stats_needed(opts.row_outputs)["need_argmax"] and plan.vocab_size > S.MAX_EXACT_ID:
-        raise ValueError(
-            f"row_outputs 'predicted' / 'is_top1' need a vocabulary below 2**24 ids (float32 statistics), got "
-            f"{plan.vocab_size}"
-        )
-    return rows, plan
 
 
 def _with_row_outputs(result, stats: Tensor, rows: Prepared, plan: Plan, opts: CrossEntropyOptions | LogprobOptions):
@@ -165,8 +98,19 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         ("grad_in_forward (in effect)", fused),
         ("class_weight's length", None if not isinstance(class_weight, torch.Tensor) else class_weight.numel()),
     )
-    call = _call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight, compiling=compiling)
-    rows, plan = _plan(call)
+    call = Call(
+        "cross-entropy",
+        opts,
+        hidden,
+        weight,
+        targets,
+        bias,
+        class_weight=class_weight,
+        extra=extra,
+        needs=_needs(opts, class_weight),
+        compiling=compiling,
+    )
+    rows, plan = plan_call(call)
     check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
     cw = None
     if class_weight is not None:
@@ -179,7 +123,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
             v_local=weight.shape[0],
             label_smoothing=opts.label_smoothing,
         )
-    if fused and plan.backend.FUSED_CHUNKING:
+    if fused and plan.backend.fused_cross_entropy is not None:
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts, cw)
     # with class weights the z-loss is added from the returned lse (cross_entropy_result)
     rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
@@ -199,7 +143,8 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
-    rows, plan = _plan(_call("logprobs", hidden, weight, targets, bias, opts, extra, compiling=compiling))
+    call = Call("logprobs", opts, hidden, weight, targets, bias, extra=extra, needs=_needs(opts), compiling=compiling)
+    rows, plan = plan_call(call)
     lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
     if compiling:
         lp, ent = C.first_order(lp, ent)

@@ -8,113 +8,32 @@ tensors hold this rank's slice of the first dimension and ``targets`` the whole 
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 
 from .core.options import DistillationOptions, Divergence, Impl, Reduction
 from .core.shard import VocabShard
 from .engine.distill_autograd import DistillRows, FusedDistill
-from .engine.driver import Call, plan_call
-from .engine.prepare import (
-    Prepared,
-    as_rows,
-    check_head,
-    check_target_range,
-    check_targets,
-    compute_dtype,
-    grad_needs,
-    known_vocab,
-    reduce_loss,
-    resolve_distill_backend,
-    token_shape,
-)
+from .engine.driver import Call, StatsNeeds, plan_call
+from .engine.prepare import grad_needs, reduce_loss
 
 Tensor = torch.Tensor
-
-
-def _prepare(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> Prepared:
-    """Local checks (every rank, before any collective; errors name the argument) and the rows: the student's
-    hidden ``[n, D_s]``, the teacher's (detached) ``[n, D_t]``, the target ids ``int64 [N]`` (``ignore_index``
-    everywhere without targets, with every row counted)."""
-    check_head(sh, sw, sb, opts.shard, prefix="student_")
-    check_head(th, tw, tb, opts.shard, prefix="teacher_", ref=("student_hidden", sh))
-    if tw.shape[0] != sw.shape[0]:
-        raise ValueError(
-            f"teacher_weight.shape[0] ({tw.shape[0]}) must equal student_weight.shape[0] "
-            f"({sw.shape[0]}): both heads must hold the same vocabulary rows"
-        )
-    if tuple(th.shape[:-1]) != tuple(sh.shape[:-1]):
-        raise ValueError(
-            f"teacher_hidden.shape[:-1] {tuple(th.shape[:-1])} must equal student_hidden.shape[:-1] "
-            f"{tuple(sh.shape[:-1])} (one teacher row per student row)"
-        )
-    shard = opts.shard
-    if shard is not None and shard.sequence_parallel and shard.world_size > 1 and sh.dim() < 2:
-        raise ValueError("sequence_parallel needs student_hidden/teacher_hidden [n/P, ..., D]")
-    shape = token_shape(sh, shard)
-    if targets is None:
-        if opts.hard_label_weight > 0:
-            raise ValueError(
-                f"hard_label_weight={opts.hard_label_weight} needs targets (the ids of the CE term); "
-                "pass targets or hard_label_weight=0"
-            )
-        n = math.prod(shape)
-        t = torch.full((n,), opts.ignore_index, dtype=torch.long, device=sh.device)
-        valid = torch.ones(n, dtype=torch.bool, device=sh.device)
-    else:
-        if not isinstance(targets, torch.Tensor):
-            raise TypeError(f"targets must be a torch.Tensor or None, got {type(targets).__name__}")
-        check_targets(targets, sh, shard, hidden_name="student_hidden")
-        t = targets.to(torch.int64).reshape(-1)
-        check_target_range(t, opts.ignore_index, known_vocab(sw, shard))
-        valid = t != opts.ignore_index
-    return Prepared(
-        as_rows(sh),
-        t,
-        shape,
-        compute_dtype(sh, sw),
-        valid=valid,
-        teacher_hidden=as_rows(th.detach()),
-        teacher_dtype=compute_dtype(th, tw),
-    )
 
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     fused = opts.reduction != "none" and opts.grad_in_forward is not False and any(grad_needs(sh, sw, sb))
 
-    def extra(rows: Prepared | None) -> tuple[tuple[str, Any], ...]:
-        """What only distillation sends (besides its options): the teacher head's geometry, which arguments are
-        given, and whether the gradients are formed in forward."""
-        return (
-            ("the teacher's compute dtype", str(None if rows is None else rows.teacher_dtype)),
-            (
-                "the teacher's hidden size (teacher_hidden.shape[-1] = teacher_weight.shape[1])",
-                None if rows is None else th.shape[-1],
-            ),
-            ("whether targets are given", targets is None),
-            ("whether student_bias is given", sb is None),
-            ("whether teacher_bias is given", tb is None),
-            ("grad_in_forward (in effect)", fused),
-        )
-
-    call = Call(
-        form="distillation",
-        opts=opts,
-        hidden=sh,
-        weight=sw,
-        bias=sb,
-        prepare=lambda: _prepare(sh, sw, th, tw, targets, sb, tb, opts),
-        # a zero hidden size (either head) runs the torch implementation
-        resolve=lambda rows: resolve_distill_backend(opts.impl, sh.device, min(sh.shape[-1], th.shape[-1])),
-        extra=extra,
-        head="student_",
+    # what only distillation sends besides its options (the teacher's geometry follows from its validated rows)
+    extra = (
+        ("whether targets are given", targets is None),
+        ("whether student_bias is given", sb is None),
+        ("whether teacher_bias is given", tb is None),
+        ("grad_in_forward (in effect)", fused),
     )
+    call = Call("distillation", opts, sh, sw, targets, sb, StatsNeeds(), teacher=(th, tw, tb), extra=extra)
     rows, plan = plan_call(call)
     tw, tb = tw.detach(), None if tb is None else tb.detach()
     args = (rows.hidden, sw, sb, rows.targets, rows.valid, rows.teacher_hidden, tw, tb, plan, opts)
-    if fused and plan.backend.FUSED_CHUNKING:
+    if fused:  # every distillation pass forms the gradients in forward(row_grad=...)
         return FusedDistill.apply(*args)
     assert rows.valid is not None  # distillation's rows always carry it
     return reduce_loss(DistillRows.apply(*args), rows.valid, opts.reduction, rows.shape)

@@ -204,14 +204,15 @@ def test_ops_are_the_backend_primitives():
     identity whose backward refuses second-order gradients; the primitives give the implementation's own numbers, bit
     for bit."""
     from cce_dist.backend import Backend
-    from cce_dist.engine.compile import OpsBackend
+    from cce_dist.engine.compile import ops_backend
     from cce_dist.impl import torch_cross_entropy as torch_impl
 
     names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("cce_dist::"))
     assert names == ["cce_dist::first_order", "cce_dist::grads", "cce_dist::row_stats"], names
-    ops = OpsBackend(torch_impl, ignore_index=-100)
-    assert isinstance(ops, Backend)
     h, w, b, t = _op_args()
+    ops = ops_backend("torch", h, ignore_index=-100)
+    assert isinstance(ops, Backend) and ops.name == "torch"
+    assert ops.fused_cross_entropy is None and ops.distill is None
     kw = dict(vocab_start=0, softcap=2.0, temperature=0.5, chunk_size=16)
     got = ops.row_stats(h, w, b, t, **kw, need_argmax=True)
     want = torch_impl.row_stats(h, w, b, t, **kw, need_argmax=True)

@@ -72,3 +72,57 @@ def test_options_rebuilt_from_graph_proxies_are_not_validated_again(field):
     assert getattr(rebuilt, field) is proxy
     with pytest.raises(ValueError, match=field):
         CrossEntropyOptions(**{field: float("nan")})
+
+
+#: the modules Dynamo traces under torch.compile (the public entry points, the engine, the core)
+TRACED_PACKAGES = ("cce_dist.api", "cce_dist.distill", "cce_dist.engine", "cce_dist.core")
+LITERAL = (type(None), bool, int, float, str)
+
+
+def _literal(v) -> bool:
+    return isinstance(v, LITERAL) or (isinstance(v, tuple) and all(_literal(x) for x in v))
+
+
+def _traced_modules():
+    import importlib
+    import pkgutil
+
+    for name in TRACED_PACKAGES:
+        mod = importlib.import_module(name)
+        yield mod
+        for info in pkgutil.iter_modules(getattr(mod, "__path__", [])):
+            yield importlib.import_module(f"{name}.{info.name}")
+
+
+def test_traced_code_has_only_literal_defaults():
+    """A default value that is an object (``slice(None)``, a dataclass instance) or a dataclass ``default_factory``
+    broke the Dynamo of torch 2.10 / 2.11 ("SourcelessBuilder.create does not know how to wrap <class 'slice'>",
+    a ``default_factory`` field left None) where newer Dynamo traces it: in the traced modules every default of a
+    function, method or dataclass field is a literal (None, bool, int, float, str or a tuple of them)."""
+    import dataclasses
+    import inspect
+
+    bad = []
+    for mod in _traced_modules():
+        for obj_name, obj in vars(mod).items():
+            if getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            functions = [(obj_name, obj)] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj):
+                functions += [(f"{obj_name}.{n}", f) for n, f in vars(obj).items() if inspect.isfunction(f)]
+                functions += [
+                    (f"{obj_name}.{n}", f.__func__) for n, f in vars(obj).items() if isinstance(f, staticmethod)
+                ]
+                if dataclasses.is_dataclass(obj):
+                    for f in dataclasses.fields(obj):
+                        if f.default_factory is not dataclasses.MISSING:
+                            bad.append(f"{mod.__name__}.{obj_name}.{f.name}: default_factory")
+                        elif f.default is not dataclasses.MISSING and not _literal(f.default):
+                            bad.append(f"{mod.__name__}.{obj_name}.{f.name} = {f.default!r}")
+            for fn_name, fn in functions:
+                if getattr(fn, "__module__", None) != mod.__name__:
+                    continue
+                for p in inspect.signature(fn).parameters.values():
+                    if p.default is not inspect.Parameter.empty and not _literal(p.default):
+                        bad.append(f"{mod.__name__}.{fn_name}({p.name}={p.default!r})")
+    assert not bad, bad

@@ -207,11 +207,14 @@ def test_triton_follows_torch_use_deterministic_algorithms(monkeypatch):
     deterministic=True does; the default otherwise stays the fast atomic one."""
     if not TRITON:
         pytest.skip("no cce_dist.kernels")
-    from cce_dist import kernels
+    import dataclasses
+
+    from cce_dist.impl import backends
 
     seen = []
-    real = kernels.grads
-    monkeypatch.setattr(kernels, "grads", lambda *a, **k: (seen.append(k["deterministic"]), real(*a, **k))[1])
+    real = backends.triton()
+    spy = dataclasses.replace(real, grads=lambda *a, **k: (seen.append(k["deterministic"]), real.grads(*a, **k))[1])
+    monkeypatch.setattr(backends, "triton", lambda: spy)
     h, w, b, t = _problem()
     was = torch.are_deterministic_algorithms_enabled()
     try:

@@ -19,10 +19,10 @@ import pytest
 
 import cce_dist
 from cce_dist import api, distill
-from cce_dist.core.backend import Backend
+from cce_dist.core.backend import Backend, DistillForward, DistillGrads, Grads, RowStats
 from cce_dist.core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
 from cce_dist.engine import compile as _compile  # noqa: F401 - registers the cce_dist custom ops
-from cce_dist.impl import torch_cross_entropy, torch_distill
+from cce_dist.impl import backends
 from cce_dist.tp import collectives
 
 PKG = Path(cce_dist.__file__).parent
@@ -101,28 +101,30 @@ def test_module_takes_the_options_fields():
 
 
 def _backends():
-    out = [torch_cross_entropy]
+    out = [backends.TORCH]
     try:
-        from cce_dist import kernels
+        return out + [backends.triton()]
     except ImportError:
         return out
-    return out + [kernels]
 
 
-@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.NAME)
-@pytest.mark.parametrize("fn, options", [("row_stats", "ROW_STATS_OPTIONS"), ("grads", "GRADS_OPTIONS")])
-def test_backend_signature_is_the_protocols_plus_declared_options(backend, fn, options):
-    """The protocol's parameters first, as declared (names, kinds, defaults), then only the declared options and
+CONTRACT = {"row_stats": RowStats, "grads": Grads}
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("fn", ["row_stats", "grads"])
+def test_backend_signature_is_the_contracts_plus_declared_options(backend, fn):
+    """The contract's parameters first, as declared (names, kinds, defaults), then only the declared options and
     private (``_``-prefixed, tests only) keywords, each with a default."""
     assert isinstance(backend, Backend)
-    protocol = _params(getattr(Backend, fn), drop_self=True)
+    protocol = _params(CONTRACT[fn].__call__, drop_self=True)
     actual = _params(getattr(backend, fn))
     assert actual[: len(protocol)] == protocol
     extra = actual[len(protocol) :]
     assert all(kind == KEYWORD_ONLY and default is not inspect.Parameter.empty for _, kind, default in extra), extra
     public = {name for name, _, _ in extra if not name.startswith("_")}
-    declared = set(getattr(backend, options))
-    if fn == "grads":  # filter_eps / deterministic are the protocol's own (declared by SUPPORTS_* flags)
+    declared = set(getattr(backend, f"{fn}_options"))
+    if fn == "grads":  # filter_eps / deterministic are the contract's own (declared by the supports_* flags)
         declared -= {"filter_eps", "deterministic"}
     assert public == declared
 
@@ -244,16 +246,14 @@ def test_logit_tile_calls_pass_its_parameters_in_order():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("fn", ["forward", "grads"])
-def test_distill_implementations_take_the_protocols_arguments(fn):
-    """Both distillation implementations take exactly the DistillBackend protocol's arguments (mypy checks the types
-    where cce_dist.engine.prepare.resolve_distill_backend returns them)."""
-    from cce_dist.core.backend import DistillBackend
-    from cce_dist.impl import triton_distill
-
-    protocol = _params(getattr(DistillBackend, fn), drop_self=True)
-    assert _params(getattr(torch_distill, fn)) == protocol
-    assert _params(getattr(triton_distill, fn)) == protocol
+def test_distill_passes_take_the_contracts_arguments(backend, fn):
+    """Every backend's distillation pass takes exactly the DistillPass contract's arguments (mypy checks the types
+    where cce_dist.impl.backends builds them), and declares only options it takes."""
+    protocol = _params({"forward": DistillForward, "grads": DistillGrads}[fn].__call__, drop_self=True)
+    assert _params(getattr(backend.distill, fn)) == protocol
+    assert backend.distill.grads_options <= {name for name, _, _ in protocol}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,18 +331,20 @@ def _schema(op: str):
 
 def _all_options(fn: str) -> set[str]:
     """Every implementation's declared options of ``fn`` (``grads``: with the protocol's filter_eps / deterministic)."""
-    attr = "ROW_STATS_OPTIONS" if fn == "row_stats" else "GRADS_OPTIONS"
-    return set().union(*(getattr(b, attr) for b in _backends()))
+    return set().union(*(getattr(b, f"{fn}_options") for b in _backends()))
 
 
 @pytest.mark.parametrize("fn", ["row_stats", "grads"])
 def test_compile_ops_take_the_protocols_arguments(fn):
     """Each op: the protocol's tensors in order (``grads``: then ``gamma_weights``), then by keyword the protocol's
-    options, every implementation's declared options and OP_EXTRA; OpsBackend's method is the protocol's plus those
-    declared options, so it passes on whatever the driver built for either implementation."""
-    from cce_dist.engine.compile import OpsBackend
+    options, every implementation's declared options (each with a default: an implementation that does not declare
+    it is not passed it) and OP_EXTRA; ops_backend's primitive binds OP_EXTRA and passes on whatever the driver built
+    for either implementation."""
+    import torch
 
-    protocol = _params(getattr(Backend, fn), drop_self=True)
+    from cce_dist.engine.compile import ops_backend
+
+    protocol = _params(CONTRACT[fn].__call__, drop_self=True)
     positional = [n for n, kind, _ in protocol if kind != KEYWORD_ONLY]
     keywords = {n for n, kind, _ in protocol if kind == KEYWORD_ONLY}
     schema = _schema(fn)
@@ -351,6 +353,7 @@ def test_compile_ops_take_the_protocols_arguments(fn):
     rest = schema[len(tensors) :]
     assert all(kw_only for _, kw_only in rest), rest
     assert {n for n, _ in rest} == (keywords - {"gamma_weights"}) | _all_options(fn) | OP_EXTRA[fn]
-    method = _params(getattr(OpsBackend, fn), drop_self=True)
-    assert method[: len(protocol)] == protocol
-    assert {n for n, _, _ in method[len(protocol) :]} == _all_options(fn) - keywords
+    defaulted = {a.name for a in getattr(torch.ops.cce_dist, fn).default._schema.arguments if a.has_default_value()}
+    assert _all_options(fn) - keywords <= defaulted
+    primitive = getattr(ops_backend("torch", torch.empty(1, 4), -100), fn)
+    assert set(primitive.keywords) == OP_EXTRA[fn]  # bound by ops_backend: the driver passes the rest

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from cce_dist import kernels as K  # noqa: E402  # type: ignore[attr-defined]
 from cce_dist import linear_cross_entropy, linear_distillation  # noqa: E402
 from cce_dist.engine import prepare  # noqa: E402
-from cce_dist.impl import torch_cross_entropy  # noqa: E402
+from cce_dist.impl import backends  # noqa: E402
 from cce_dist.kernels import config as C  # noqa: E402
 
 
@@ -65,14 +65,14 @@ def test_auto_takes_the_torch_path_with_one_warning(fake_triton):
     fake_triton("3.10.0")
     cuda = torch.device("cuda")  # only its type is read
     with pytest.warns(RuntimeWarning, match=r"Triton 3\.10\.0 .*3\.6 to 3\.9.*torch implementation"):
-        assert prepare.resolve_backend("auto", cuda, 64) is torch_cross_entropy
+        assert prepare.resolve_backend("auto", cuda, 64) is backends.TORCH
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert prepare.resolve_backend("auto", cuda, 64) is torch_cross_entropy
+        assert prepare.resolve_backend("auto", cuda, 64) is backends.TORCH
     fake_triton("3.9.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert prepare.resolve_backend("auto", cuda, 64) is K
+        assert prepare.resolve_backend("auto", cuda, 64) is backends.triton()
 
 
 def test_cpu_auto_never_warns(fake_triton):

@@ -1,8 +1,11 @@
 """The contract every implementation (``torch``, ``triton``) fulfils for one vocab shard.
 
-An implementation is a module (:mod:`cce_dist.impl.torch_cross_entropy`, :mod:`cce_dist.kernels`) satisfying the
-:class:`Backend` protocol: two functions, free of autograd and of torch.distributed, and constants
-declaring its capabilities, so callers ask what a backend can do instead of which one it is.
+An implementation is one :class:`Backend` value (:data:`cce_dist.impl.backends.TORCH`,
+:func:`cce_dist.impl.backends.triton`): its primitives, free of autograd and of torch.distributed, and the
+capabilities it declares, so callers ask what a backend can do instead of which one it is. Every loss runs on the
+same shape: row statistics and gradients (cross-entropy, logprobs, row outputs, class weights), an optional fused
+schedule (cross-entropy's scalar loss with the gradients formed in forward) and distillation's rows pass
+(:class:`DistillPass`, two heads at once).
 
 ``row_stats(hidden, weight, bias, targets, *, vocab_start, softcap, temperature) -> stats``
     hidden  ``[N, D]``  compute dtype (already cast)
@@ -61,7 +64,8 @@ forms ``p = exp(z - lse)`` from the lse it is given and still gets the exact gra
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -70,37 +74,11 @@ ALPHA, BETA, GAMMA, DELTA = range(4)
 NUM_COEFS = 4
 
 
-@runtime_checkable
-class Capabilities(Protocol):
-    """The capability constants every implementation (cross-entropy or distillation) declares; the driver reads
-    them (:func:`cce_dist.engine.prepare.backend_kwargs`), never which implementation it is.
+class RowStats(Protocol):
+    """The parameters every ``row_stats`` starts with (module docstring); the backend's declared
+    ``row_stats_options`` follow, each keyword-only with a default (tests/test_signatures.py)."""
 
-    NAME                 "torch" | "triton": which implementation ``impl=`` resolved to (the TP handshake
-                         compares it: the two issue different statistics collectives for a scalar loss)
-    FUSED_CHUNKING       the scalar-loss schedule that forms the gradients in forward computes this
-                         implementation's numbers, so ``grad_in_forward`` may use it (cross-entropy:
-                         :func:`cce_dist.impl.torch_cross_entropy.fused_cross_entropy`, with per-token-chunk statistics
-                         collectives; distillation: ``forward(row_grad=...)``)
-    SUPPORTS_FILTERING   ``grads`` honours ``filter_eps`` (else it is not passed: always exact)
-    DETERMINISTIC_OPTION ``grads`` honours ``deterministic`` (else it is not passed: always deterministic)
-    ROW_STATS_OPTIONS    the extra keyword options ``row_stats`` accepts (e.g. ``chunk_size``)
-    GRADS_OPTIONS        the extra keyword options ``grads`` accepts besides ``filter_eps``/``deterministic``
-    """
-
-    NAME: str
-    FUSED_CHUNKING: bool
-    SUPPORTS_FILTERING: bool
-    DETERMINISTIC_OPTION: bool
-    ROW_STATS_OPTIONS: frozenset[str]
-    GRADS_OPTIONS: frozenset[str]
-
-
-@runtime_checkable
-class Backend(Capabilities, Protocol):
-    """What :mod:`cce_dist.engine.autograd`, :mod:`cce_dist.engine.compile` and :mod:`cce_dist.engine.prepare` may rely
-    on: the :class:`Capabilities` and the two functions of the module docstring."""
-
-    def row_stats(
+    def __call__(
         self,
         hidden: Tensor,
         weight: Tensor,
@@ -112,7 +90,12 @@ class Backend(Capabilities, Protocol):
         temperature: float,
     ) -> Tensor: ...
 
-    def grads(
+
+class Grads(Protocol):
+    """The parameters every ``grads`` starts with (module docstring); the backend's declared ``grads_options``
+    follow, each keyword-only with a default."""
+
+    def __call__(
         self,
         hidden: Tensor,
         weight: Tensor,
@@ -133,31 +116,10 @@ class Backend(Capabilities, Protocol):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...
 
 
-@runtime_checkable
-class DistillBackend(Capabilities, Protocol):
-    """A distillation implementation (:mod:`cce_dist.impl.torch_distill`, :mod:`cce_dist.impl.triton_distill`) for one
-    vocab shard of two heads, free of autograd and of torch.distributed (the caller passes the collectives as
-    callbacks).
+class DistillForward(Protocol):
+    """The parameters of every :attr:`DistillPass.forward`."""
 
-    ``Heads(hs, ws, bs, ht, wt, bt, targets, valid, vocab_start, opts)``: one call's tensors in each head's compute
-    dtype, flattened to rows (``hs [N, D_s]``, ``ws [V_local, D_s]``, ``ht [N, D_t]``, ``wt [V_local, D_t]``,
-    biases ``[V_local]`` or None, ``targets int64 [N]``, ``valid bool [N]``).
-
-    ``forward(heads, step, reduce_stats, reduce_rows, row_grad=None, need=(False,) * 3, **grads_options)
-    -> (loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``: the per-row loss (0 where not
-    valid), the global statistics and per-row sums its gradient needs, and with ``row_grad`` the student's float32
-    gradients of ``row_grad * sum_i loss_i`` over the valid rows (``dh`` this shard's partial sum; None where not in
-    ``need`` = hidden, weight, bias). ``step``: tokens per chunk, identical on every rank of a group.
-
-    ``grads(heads, step, stats, rows, g, need, **grads_options) -> (dh, dw, db)``: float32 gradients of
-    ``sum_i g_i * loss_i`` recomputed from the saved ``stats`` / ``rows``, no collective.
-
-    ``grads_options``: ``deterministic`` where ``DETERMINISTIC_OPTION`` (else not passed)."""
-
-    @property
-    def Heads(self) -> Callable[..., Any]: ...  # noqa: N802 (a class each implementation defines)
-
-    def forward(
+    def __call__(
         self,
         heads: Any,
         step: int,
@@ -168,7 +130,11 @@ class DistillBackend(Capabilities, Protocol):
         deterministic: bool = False,
     ) -> tuple[Any, ...]: ...
 
-    def grads(
+
+class DistillGrads(Protocol):
+    """The parameters of every :attr:`DistillPass.grads`."""
+
+    def __call__(
         self,
         heads: Any,
         step: int,
@@ -178,3 +144,63 @@ class DistillBackend(Capabilities, Protocol):
         need: tuple[bool, bool, bool],
         deterministic: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class DistillPass:
+    """Distillation's rows pass for one vocab shard of two heads (:mod:`cce_dist.impl.torch_distill`,
+    :mod:`cce_dist.impl.triton_distill`), free of autograd and of torch.distributed (the caller passes the
+    collectives as callbacks).
+
+    ``Heads(hs, ws, bs, ht, wt, bt, targets, valid, vocab_start, opts)``: one call's tensors in each head's compute
+    dtype, flattened to rows (``hs [N, D_s]``, ``ws [V_local, D_s]``, ``ht [N, D_t]``, ``wt [V_local, D_t]``,
+    biases ``[V_local]`` or None, ``targets int64 [N]``, ``valid bool [N]``).
+
+    ``forward(heads, step, reduce_stats, reduce_rows, row_grad=None, need=(False,) * 3, **grads_options)
+    -> (loss_rows [N], stats [N, k, NUM_STATS], rows [N, n_rows], dh, dw, db)``: the per-row loss (0 where not
+    valid), the global statistics and per-row sums its gradient needs, and with ``row_grad`` (the pass's fused
+    schedule) the student's float32 gradients of ``row_grad * sum_i loss_i`` over the valid rows (``dh`` this shard's
+    partial sum; None where not in ``need`` = hidden, weight, bias). ``step``: tokens per chunk, identical on every
+    rank of a group.
+
+    ``grads(heads, step, stats, rows, g, need, **grads_options) -> (dh, dw, db)``: float32 gradients of
+    ``sum_i g_i * loss_i`` recomputed from the saved ``stats`` / ``rows``, no collective.
+
+    ``grads_options``: the keyword options ``forward`` (with ``row_grad``) and ``grads`` accept (``deterministic``
+    where the pass uses float atomics by default)."""
+
+    Heads: type
+    forward: DistillForward
+    grads: DistillGrads
+    grads_options: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation: what :mod:`cce_dist.engine` may rely on, for every loss.
+
+    name                 "torch" | "triton": which implementation ``impl=`` resolved to (the TP handshake compares
+                         it: the two issue different statistics collectives for a scalar loss)
+    row_stats, grads     the two primitives of the module docstring (:class:`RowStats`, :class:`Grads`: the
+                         contract's parameters, then the declared options)
+    fused_cross_entropy  the scalar-loss schedule that forms the gradients in forward, or None (then
+                         ``grad_in_forward`` runs ``row_stats`` + ``grads``): see
+                         :func:`cce_dist.impl.torch_cross_entropy.fused_cross_entropy`, with per-token-chunk
+                         statistics collectives
+    distill              distillation's rows pass (:class:`DistillPass`), or None where this backend has none (the
+                         compiled path's: distillation does not compile)
+    supports_filtering   ``grads`` honours ``filter_eps`` (else it is not passed: always exact)
+    deterministic_option ``grads`` honours ``deterministic`` (else it is not passed: always deterministic)
+    row_stats_options    the extra keyword options ``row_stats`` accepts (e.g. ``chunk_size``)
+    grads_options        the extra keyword options ``grads`` accepts besides ``filter_eps`` / ``deterministic``
+    """
+
+    name: str
+    row_stats: RowStats
+    grads: Grads
+    fused_cross_entropy: Callable[..., tuple[Any, ...]] | None
+    distill: DistillPass | None
+    supports_filtering: bool
+    deterministic_option: bool
+    row_stats_options: frozenset[str]
+    grads_options: frozenset[str]

@@ -6,6 +6,8 @@ single-device and vocab-parallel paths. See :mod:`cce_dist.core.backend` for the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .backend import ALPHA, BETA, DELTA, GAMMA, NUM_COEFS
@@ -158,3 +160,64 @@ def logprob_coef(
     coef[:, ALPHA] = ent_term - g_lp
     coef[:, BETA] = ent_term
     return fold_lse_residual(coef, lse_residual(stats))
+
+
+@dataclass(frozen=True)
+class CrossEntropyTerms:
+    """Cross-entropy's formulas over chunks of rows, as a value: what a fused schedule
+    (:attr:`cce_dist.core.backend.Backend.fused_cross_entropy`) applies to each chunk's global statistics.
+
+    valid           ``bool [N]``: the rows that count
+    label_smoothing, z_loss, vocab_size
+                    as in :func:`cross_entropy_rows` (``vocab_size``: global, all shards)
+    class_weights   :mod:`cce_dist.core.class_weight`'s terms ``(w_t float32 [N], W / V float32 [])``, or None
+    """
+
+    valid: torch.Tensor
+    label_smoothing: float
+    z_loss: float
+    vocab_size: int
+    class_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _chunk(self, rows: slice | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        cw = self.class_weights
+        if rows is None:  # (no slice constant: the Dynamo of torch 2.10 / 2.11 cannot build one)
+            return self.valid, cw
+        return self.valid[rows], None if cw is None else (cw[0][rows], cw[1])
+
+    def rows(self, stats: torch.Tensor, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, lse)`` ``float32 [n]`` of the rows ``rows`` (a slice of the N rows; None: all) from their
+        global ``stats``: :func:`cross_entropy_rows`."""
+        valid, cw = self._chunk(rows)
+        return cross_entropy_rows(
+            stats,
+            valid,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            vocab_size=self.vocab_size,
+            class_weights=cw,
+        )
+
+    def coef(
+        self,
+        lse: torch.Tensor,
+        rows: slice | None = None,
+        g_loss: torch.Tensor | None = None,
+        g_lse: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Coefficients ``float32 [n, NUM_COEFS]`` of the rows ``rows`` (:func:`cross_entropy_coef`) for the upstream
+        gradients ``g_loss`` (default: 1 per counted row) and ``g_lse``; ``residual`` None for a schedule that forms
+        ``p`` exactly (no lse residual to fold in)."""
+        valid, cw = self._chunk(rows)
+        return cross_entropy_coef(
+            lse,
+            valid,
+            torch.ones_like(lse) if g_loss is None else g_loss,
+            g_lse,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            vocab_size=self.vocab_size,
+            residual=residual,
+            class_weights=cw,
+        )

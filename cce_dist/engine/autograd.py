@@ -18,31 +18,28 @@ import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 
 from ..core import formulas
-from ..core import stats as S
-from ..core.backend import Backend, Capabilities
+from ..core.backend import Backend
 from ..core.class_weight import ClassWeights, gamma_weights, sum_column
 from ..core.options import CrossEntropyOptions, LogprobOptions
-from ..impl.torch_cross_entropy import fused_cross_entropy
+from ..core.stats import SUM
+from ..core.stats import lse as log_sum_exp
 from ..tp.collectives import Comm
 from .prepare import autocast_available, to_dtype
 
-B = TypeVar("B", bound=Capabilities)
-
 
 @dataclass(frozen=True)
-class Plan(Generic[B]):
+class Plan:
     """Everything a Function needs besides tensors and options, resolved once per call by the driver
     (:func:`cce_dist.engine.driver.plan_call`)."""
 
-    #: the implementation: a :class:`~cce_dist.backend.Backend` (cce_dist.impl.torch_cross_entropy,
-    #: cce_dist.kernels) or a :class:`~cce_dist.backend.DistillBackend` (cce_dist.impl.torch_distill,
-    #: cce_dist.impl.triton_distill)
-    backend: B
+    #: the implementation (:mod:`cce_dist.impl.backends`), or under torch.compile its custom ops
+    #: (:func:`cce_dist.engine.compile.ops_backend`)
+    backend: Backend
     compute_dtype: torch.dtype  # the (student's) head's
     vocab_start: int
     vocab_size: int  # global (all shards)
@@ -61,7 +58,7 @@ def _no_autocast(device: torch.device):
 
 
 def _forward_stats(
-    plan: Plan[Backend], hidden, weight, bias, targets, softcap, temperature, cw: ClassWeights | None = None
+    plan: Plan, hidden, weight, bias, targets, softcap, temperature, cw: ClassWeights | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, stats)``: the caller's tensors cast to the compute dtype, ``hidden`` gathered over the group
     (``h``), and the row statistics reduced over the group (the row outputs' columns too where the backend forms
@@ -81,7 +78,7 @@ def _forward_stats(
     )
     col = sum_column(cw, h, w, b, softcap)
     if col is not None:
-        local[:, S.SUM] = col
+        local[:, SUM] = col
     kw = plan.backend_kwargs.get("row_stats", {})
     return h, plan.comm.reduce_stats(local, extras=bool(kw.get("need_argmax") or kw.get("need_sumsq")))
 
@@ -114,7 +111,7 @@ def needed_input_grads(ctx, bias) -> tuple[bool, bool, bool]:
 
 def _backward_grads(
     ctx,
-    plan: Plan[Backend],
+    plan: Plan,
     saved,
     coef: torch.Tensor,
     lse: torch.Tensor,
@@ -162,7 +159,7 @@ def finish_grads(comm: Comm, dh, dw, db, hidden_dtype: torch.dtype, weight, bias
     )
 
 
-def save(ctx, plan: Plan[Any], opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
+def save(ctx, plan: Plan, opts, hidden_dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
     """Save ``(h, weight, bias, targets, valid, *row tensors)`` and the call's plan, options and hidden dtype."""
     ctx.save_for_backward(*tensors)
     ctx.plan, ctx.opts, ctx.hidden_dtype = plan, opts, hidden_dtype
@@ -177,26 +174,30 @@ def saved_inputs(ctx):
     return ctx.plan, ctx.opts, saved[:4], saved[4], saved[5:]
 
 
+def cross_entropy_terms(
+    plan: Plan, opts: CrossEntropyOptions, valid: torch.Tensor, cw: ClassWeights | None
+) -> formulas.CrossEntropyTerms:
+    """Cross-entropy's formulas for one call: its options, the global vocabulary, the counted rows, class weights."""
+    return formulas.CrossEntropyTerms(
+        valid,
+        label_smoothing=opts.label_smoothing,
+        z_loss=opts.z_loss,
+        vocab_size=plan.vocab_size,
+        class_weights=None if cw is None else cw.terms,
+    )
+
+
 class CrossEntropyRows(torch.autograd.Function):
     """``(hidden [n, D], weight [V_local, D], bias, targets [N]) -> (loss float32 [N], lse float32 [N], stats)``;
     ``stats`` (the global row statistics ``float32 [N, NUM_STATS]``, for :mod:`cce_dist.core.outputs`) is not
     differentiable."""
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions, cw: ClassWeights | None
-    ):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions, cw: ClassWeights | None):
         with _no_autocast(hidden.device):
             h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, 1.0, cw)
             valid = targets != opts.ignore_index
-            loss, lse = formulas.cross_entropy_rows(
-                stats,
-                valid,
-                label_smoothing=opts.label_smoothing,
-                z_loss=opts.z_loss,
-                vocab_size=plan.vocab_size,
-                class_weights=None if cw is None else cw.terms,
-            )
+            loss, lse = cross_entropy_terms(plan, opts, valid, cw).rows(stats)
             residual = formulas.lse_residual(stats)
         save(ctx, plan, opts, hidden.dtype, h, weight, bias, targets, valid, lse, residual)
         ctx.cw = cw
@@ -207,17 +208,7 @@ class CrossEntropyRows(torch.autograd.Function):
     def backward(ctx, g_loss, g_lse, _g_stats):
         plan, opts, saved, valid, (lse, residual) = saved_inputs(ctx)
         cw = ctx.cw
-        coef = formulas.cross_entropy_coef(
-            lse,
-            valid,
-            g_loss,
-            g_lse,
-            label_smoothing=opts.label_smoothing,
-            z_loss=opts.z_loss,
-            vocab_size=plan.vocab_size,
-            residual=residual,
-            class_weights=None if cw is None else cw.terms,
-        )
+        coef = cross_entropy_terms(plan, opts, valid, cw).coef(lse, g_loss=g_loss, g_lse=g_lse, residual=residual)
         return _backward_grads(ctx, plan, saved, coef, lse, opts.softcap, 1.0, cw) + (None, None, None, None)
 
 
@@ -226,7 +217,7 @@ class LogprobRows(torch.autograd.Function):
     :class:`CrossEntropyRows`')."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: LogprobOptions):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: LogprobOptions):
         with _no_autocast(hidden.device):
             h, stats = _forward_stats(plan, hidden, weight, bias, targets, opts.softcap, opts.temperature)
             valid = targets != opts.ignore_index
@@ -239,14 +230,14 @@ class LogprobRows(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, _g_stats):
         plan, opts, saved, valid, (stats,) = saved_inputs(ctx)
         coef = formulas.logprob_coef(stats, valid, g_lp, g_ent if opts.return_entropy else None)
-        return _backward_grads(ctx, plan, saved, coef, S.lse(stats), opts.softcap, opts.temperature) + (
+        return _backward_grads(ctx, plan, saved, coef, log_sum_exp(stats), opts.softcap, opts.temperature) + (
             None,
             None,
             None,
         )
 
 
-class HoldsGradients(torch.autograd.Function):
+class GradientsFormedInForward(torch.autograd.Function):
     """The backward of every Function whose gradients are formed in forward and held by :func:`hold`."""
 
     @staticmethod
@@ -271,7 +262,7 @@ def hold(ctx, grads, tensors, comm: Comm, valid: torch.Tensor, scale, any_valid,
     ctx.n_other_inputs = len(ctx.needs_input_grad) - len(grads)
 
 
-class FusedCrossEntropy(HoldsGradients):
+class FusedCrossEntropy(GradientsFormedInForward):
     """Scalar loss (``reduction`` sum or mean) with gradients formed in forward (torch impl).
 
     Forward forms the gradients for an upstream gradient of a power of two near 1 per valid row (``unit`` times the
@@ -284,9 +275,7 @@ class FusedCrossEntropy(HoldsGradients):
     """
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, targets, plan: Plan[Backend], opts: CrossEntropyOptions, cw: ClassWeights | None
-    ):
+    def forward(ctx, hidden, weight, bias, targets, plan: Plan, opts: CrossEntropyOptions, cw: ClassWeights | None):
         need_h, need_w, need_b = needed_input_grads(ctx, bias)
         comm = plan.comm
         with _no_autocast(hidden.device):
@@ -300,31 +289,15 @@ class FusedCrossEntropy(HoldsGradients):
                 total = max(n_valid, 1) if cw is None else float(cw.rows.sum().item())
                 scale = 1.0 / total if total != 0 else 0.0  # the weights sum to 0: the mean is 0, its gradient too
             unit = 2.0 ** (1 - math.frexp(scale)[1])  # |scale| * unit in [1, 2); a power of two, so exact to undo
-            terms = None if cw is None else cw.terms
-            kw: dict[str, Any] = dict(
-                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=plan.vocab_size
-            )
-            ones = torch.ones(1, dtype=torch.float32, device=h.device)
-
-            def coef_fn(lse: torch.Tensor, sl: slice) -> torch.Tensor:
-                t = None if terms is None else (terms[0][sl], terms[1])
-                return formulas.cross_entropy_coef(
-                    lse, valid[sl], ones.expand_as(lse), None, residual=None, class_weights=t, **kw
-                )
-
-            def rows_fn(st: torch.Tensor, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-                t = None if terms is None else (terms[0][sl], terms[1])
-                return formulas.cross_entropy_rows(st, valid[sl], class_weights=t, **kw)
-
-            loss_rows, _, dh, dw, db = fused_cross_entropy(
+            terms = cross_entropy_terms(plan, opts, valid, cw)
+            assert plan.backend.fused_cross_entropy is not None  # the driver chose this Function for it
+            loss_rows, _, dh, dw, db = plan.backend.fused_cross_entropy(
                 h,
                 w,
                 b,
                 targets,
-                valid,
+                terms,
                 scale * unit,
-                coef_fn=coef_fn,
-                rows_fn=rows_fn,
                 vocab_start=plan.vocab_start,
                 softcap=opts.softcap,
                 chunk_tokens_=plan.chunk_tokens,

@@ -3,7 +3,7 @@
 Under ``torch.compiler.is_compiling()`` (and on the meta device) :func:`cce_dist.linear_cross_entropy` and
 :func:`cce_dist.linear_logprobs` run their eager path, traced by Dynamo: the driver, the autograd Functions
 (``CrossEntropyRows``, ``LogprobRows``), :mod:`cce_dist.core.formulas`, the reduction. Only the plan's backend
-differs, an :class:`OpsBackend` whose :class:`~cce_dist.backend.Backend` primitives are opaque ops (fake
+differs, :func:`ops_backend`'s :class:`~cce_dist.core.backend.Backend`, whose primitives are opaque ops (fake
 implementations give the shapes) running the implementation the driver resolved (its name is an op argument):
 
 ``cce_dist::row_stats(hidden, weight, bias, targets, *, ...) -> stats float32 [N, NUM_STATS]``
@@ -23,28 +23,26 @@ No formula lives here. Under compile:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..core import stats as S
 from ..core.backend import Backend
 from ..core.options import CrossEntropyOptions, LogprobOptions
-from ..impl import torch_cross_entropy as torch_impl
+from ..core.stats import NUM_STATS
+from ..impl import backends
 from .autograd import refuse_second_order
 from .prepare import backend_kwargs, check_target_range, is_dtensor, resolve_backend
 
-__all__ = ["OpsBackend", "check_compilable", "first_order", "implementation", "ops_backend"]
+__all__ = ["check_compilable", "first_order", "implementation", "ops_backend"]
 
 
 def implementation(name: str) -> Backend:
-    """The implementation named ``name`` (its ``NAME``: ``"torch"`` or ``"triton"``), as resolved by the driver."""
-    if name == torch_impl.NAME:
-        return torch_impl
-    from .. import kernels
-
-    return kernels
+    """The implementation named ``name`` (its ``name``: ``"torch"`` or ``"triton"``), as resolved by the driver."""
+    return backends.by_name(name)
 
 
 @torch.compiler.assume_constant_result
@@ -52,15 +50,25 @@ def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
     """The name of :func:`cce_dist.engine.prepare.resolve_backend`'s implementation, called, not traced, under
     torch.compile: it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot
     trace) and the environment, constants of the process."""
-    return resolve_backend(impl, device, hidden_dim).NAME
+    return resolve_backend(impl, device, hidden_dim).name
 
 
-def ops_backend(impl: str, hidden: Tensor, ignore_index: int) -> OpsBackend:
-    """The :class:`OpsBackend` of the implementation ``impl=`` resolves to for ``hidden`` (the driver's ``resolve``
-    under torch.compile and on the meta device)."""
+def ops_backend(impl: str, hidden: Tensor, ignore_index: int) -> Backend:
+    """The implementation ``impl=`` resolves to for ``hidden``, its primitives replaced by the custom ops running it
+    (the driver's backend under torch.compile and on the meta device). Its capabilities are the implementation's,
+    so the driver builds the same keyword options; it has no fused schedule (``grad_in_forward`` is ignored under
+    compile) and no distillation pass. ``ignore_index``: the id ``row_stats`` does not check (every other id must be
+    in the vocabulary)."""
     # resolve_backend reads only whether the hidden size is 0 (a constant even under dynamic shapes)
     empty = bool(hidden.shape[-1] == 0)
-    return OpsBackend(implementation(_resolved_name(impl, hidden.device, 0 if empty else 1)), ignore_index=ignore_index)
+    base = implementation(_resolved_name(impl, hidden.device, 0 if empty else 1))
+    return dataclasses.replace(
+        base,
+        row_stats=functools.partial(_ops_row_stats, impl=base.name, ignore_index=ignore_index),
+        grads=functools.partial(_ops_grads, impl=base.name),
+        fused_cross_entropy=None,
+        distill=None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,11 +88,13 @@ def _row_stats(
     temperature: float,
     impl: str,
     ignore_index: int,
-    chunk_size: int | None,
-    need_entropy: bool,
-    need_sum: bool,
-    need_argmax: bool,
-    need_sumsq: bool,
+    # the implementations' declared options, defaulted as in their functions (an implementation that does not declare
+    # one is not passed it)
+    chunk_size: int | None = None,
+    need_entropy: bool = True,
+    need_sum: bool = True,
+    need_argmax: bool = False,
+    need_sumsq: bool = False,
 ) -> Tensor:
     """``impl``'s ``row_stats``, after eager's check of the target ids (a host read) against the vocabulary: the
     head's rows, on the one device the compiled path supports (:func:`check_compilable`)."""
@@ -114,7 +124,7 @@ def _row_stats(
 
 @_row_stats.register_fake
 def _(hidden, *args, **kwargs):  # shapes only
-    return hidden.new_empty(hidden.shape[0], S.NUM_STATS, dtype=torch.float32)
+    return hidden.new_empty(hidden.shape[0], NUM_STATS, dtype=torch.float32)
 
 
 @torch.library.custom_op("cce_dist::grads", mutates_args=())
@@ -134,9 +144,9 @@ def _grads(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
-    chunk_size: int | None,
-    filter_eps: float | None,
-    deterministic: bool,
+    chunk_size: int | None = None,
+    filter_eps: float | None = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``impl``'s ``grads`` in float32; a gradient not needed (``d_bias`` without a bias) comes back empty (an op
     returns no None)."""
@@ -219,95 +229,33 @@ def first_order(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.cce_dist.first_order(a, b)
 
 
-class OpsBackend:
-    """A :class:`~cce_dist.backend.Backend` whose ``row_stats`` / ``grads`` are the custom ops running ``backend``
-    (whose capabilities it declares, so the driver builds the same keyword options). ``ignore_index``: the id
-    ``row_stats`` does not check (every other id must be in the vocabulary)."""
+def _ops_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, **options: Any) -> Tensor:
+    """``row_stats`` of :func:`ops_backend`: the op, given the contract's keywords, the options the driver built from
+    the implementation's declared ones, and ``impl`` / ``ignore_index`` bound by :func:`ops_backend` (the op's schema
+    names them all: tests/test_signatures.py)."""
+    return torch.ops.cce_dist.row_stats(hidden, weight, bias, targets, **options)
 
-    FUSED_CHUNKING = False  # the fused schedule is not a primitive: grad_in_forward is ignored under compile
 
-    def __init__(self, backend: Backend, *, ignore_index: int):
-        self.NAME = backend.NAME
-        self.SUPPORTS_FILTERING = backend.SUPPORTS_FILTERING
-        self.DETERMINISTIC_OPTION = backend.DETERMINISTIC_OPTION
-        self.ROW_STATS_OPTIONS = backend.ROW_STATS_OPTIONS
-        self.GRADS_OPTIONS = backend.GRADS_OPTIONS
-        self.ignore_index = ignore_index
-
-    def row_stats(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        targets: Tensor,
-        *,
-        vocab_start: int,
-        softcap: float | None,
-        temperature: float,
-        chunk_size: int | None = None,
-        need_entropy: bool = True,
-        need_sum: bool = True,
-        need_argmax: bool = False,
-        need_sumsq: bool = False,
-    ) -> Tensor:
-        return torch.ops.cce_dist.row_stats(
-            hidden,
-            weight,
-            bias,
-            targets,
-            vocab_start=vocab_start,
-            softcap=softcap,
-            temperature=temperature,
-            impl=self.NAME,
-            ignore_index=self.ignore_index,
-            chunk_size=chunk_size,
-            need_entropy=need_entropy,
-            need_sum=need_sum,
-            need_argmax=need_argmax,
-            need_sumsq=need_sumsq,
-        )
-
-    def grads(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        targets: Tensor,
-        lse: Tensor,
-        coef: Tensor,
-        *,
-        vocab_start: int,
-        softcap: float | None,
-        temperature: float,
-        need_hidden: bool,
-        need_weight: bool,
-        need_bias: bool,
-        filter_eps: float | None = None,
-        deterministic: bool = False,
-        gamma_weights: Tensor | None = None,
-        chunk_size: int | None = None,
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        need_bias = need_bias and bias is not None
-        dh, dw, db = torch.ops.cce_dist.grads(
-            hidden,
-            weight,
-            bias,
-            targets,
-            lse,
-            coef,
-            gamma_weights,
-            vocab_start=vocab_start,
-            softcap=softcap,
-            temperature=temperature,
-            impl=self.NAME,
-            need_hidden=need_hidden,
-            need_weight=need_weight,
-            need_bias=need_bias,
-            chunk_size=chunk_size,
-            filter_eps=filter_eps,
-            deterministic=deterministic,
-        )
-        return (dh if need_hidden else None, dw if need_weight else None, db if need_bias else None)
+def _ops_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    coef: Tensor,
+    *,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    gamma_weights: Tensor | None = None,
+    **options: Any,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``grads`` of :func:`ops_backend`: the op (which returns empty tensors for the gradients not needed, an op
+    returning no None) with ``gamma_weights`` passed positionally, as its schema has it."""
+    need_bias = need_bias and bias is not None
+    need = dict(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+    dh, dw, db = torch.ops.cce_dist.grads(hidden, weight, bias, targets, lse, coef, gamma_weights, **need, **options)
+    return (dh if need_hidden else None, dw if need_weight else None, db if need_bias else None)
 
 
 def check_compilable(hidden: Any, weight: Any, targets: Any, bias: Any, opts: CrossEntropyOptions | LogprobOptions):

@@ -6,8 +6,9 @@
   while the chunk's logits are held (the teacher's logits are computed once, not twice), held by
   :class:`cce_dist.engine.autograd.HeldGradients` as the cross-entropy's are.
 
-Both run the implementation the driver resolved (``plan.backend``, a :class:`cce_dist.core.backend.DistillBackend`), and
-save, refuse second-order gradients and finish the gradients with the cross-entropy Functions' helpers. The teacher's
+Both run the implementation the driver resolved (``plan.backend.distill``, a
+:class:`cce_dist.core.backend.DistillPass`), and save, refuse second-order gradients and finish the gradients with
+the cross-entropy Functions' helpers. The teacher's
 tensors arrive detached: they never receive a gradient.
 """
 
@@ -15,18 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from ..core.backend import DistillBackend
+from ..core.backend import DistillPass
 from ..core.options import DistillationOptions
-from .autograd import HoldsGradients, Plan, finish_grads, hold, needed_input_grads, save, saved_inputs
+from .autograd import GradientsFormedInForward, Plan, finish_grads, hold, needed_input_grads, save, saved_inputs
 from .prepare import to_dtype
 
-DistillPlan = Plan[DistillBackend]
+
+def _pass(plan: Plan) -> DistillPass:
+    """The plan's distillation rows pass (the driver resolved a backend that has one)."""
+    assert plan.backend.distill is not None
+    return plan.backend.distill
 
 
-def _heads(plan: DistillPlan, opts: DistillationOptions, hs, ws, bs, ht, wt, bt, targets, valid):
+def _heads(plan: Plan, opts: DistillationOptions, hs, ws, bs, ht, wt, bt, targets, valid):
     """The backend's ``Heads``: each head in its compute dtype (the hidden states are cast already)."""
     assert plan.teacher_dtype is not None  # the driver sets it for distillation
-    return plan.backend.Heads(
+    return _pass(plan).Heads(
         hs,
         ws.to(plan.compute_dtype),
         to_dtype(bs, plan.compute_dtype),
@@ -40,7 +45,7 @@ def _heads(plan: DistillPlan, opts: DistillationOptions, hs, ws, bs, ht, wt, bt,
     )
 
 
-def _gather(plan: DistillPlan, student_hidden, teacher_hidden):
+def _gather(plan: Plan, student_hidden, teacher_hidden):
     """Both heads' hidden states in their compute dtypes, gathered over the group under sequence parallelism."""
     assert plan.teacher_dtype is not None
     comm = plan.comm
@@ -57,12 +62,12 @@ class DistillRows(torch.autograd.Function):
     ``-> loss float32 [N]``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: DistillPlan, opts):
+    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: Plan, opts):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
             comm = plan.comm
-            loss, stats, rows = plan.backend.forward(heads, plan.chunk_tokens, comm.reduce_stats, comm.reduce_sum)[:3]
+            loss, stats, rows = _pass(plan).forward(heads, plan.chunk_tokens, comm.reduce_stats, comm.reduce_sum)[:3]
         save(ctx, plan, opts, hidden.dtype, hs, weight, bias, targets, valid, ht, t_weight, t_bias, stats, rows)
         return loss
 
@@ -72,13 +77,13 @@ class DistillRows(torch.autograd.Function):
         need = needed_input_grads(ctx, bias)
         with torch.autocast(device_type=hs.device.type, enabled=False):
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            dh, dw, db = plan.backend.grads(
+            dh, dw, db = _pass(plan).grads(
                 heads, plan.chunk_tokens, stats, rows, g, need, **plan.backend_kwargs.get("grads", {})
             )
             return finish_grads(plan.comm, dh, dw, db, ctx.hidden_dtype, weight, bias) + (None,) * 7
 
 
-class FusedDistill(HoldsGradients):
+class FusedDistill(GradientsFormedInForward):
     """Scalar loss (``reduction`` sum or mean) with the student's gradients formed in forward.
 
     Forward forms the gradients of the *sum* of the counted rows' losses (an upstream gradient of 1 per counted
@@ -90,13 +95,13 @@ class FusedDistill(HoldsGradients):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: DistillPlan, opts):
+    def forward(ctx, hidden, weight, bias, targets, valid, t_hidden, t_weight, t_bias, plan: Plan, opts):
         need = needed_input_grads(ctx, bias)
         comm = plan.comm
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hs, ht = _gather(plan, hidden, t_hidden)
             heads = _heads(plan, opts, hs, weight, bias, ht, t_weight, t_bias, targets, valid)
-            loss_rows, _, _, dh, dw, db = plan.backend.forward(
+            loss_rows, _, _, dh, dw, db = _pass(plan).forward(
                 heads,
                 plan.chunk_tokens,
                 comm.reduce_stats,

@@ -1,89 +1,158 @@
-"""The one eager driver every loss runs through: validate -> handshake -> plan.
+"""The one driver every loss runs through, eager and compiled: validate -> handshake -> plan.
 
 :func:`cce_dist.linear_cross_entropy`, :func:`cce_dist.linear_logprobs` (:mod:`cce_dist.api`) and
-:func:`cce_dist.linear_distillation` (:mod:`cce_dist.distill`) describe their call as a :class:`Call` (the loss's name,
-its options, how to validate and flatten its tensors, which implementation to resolve) and get back the rows and the
-:class:`~cce_dist.engine.autograd.Plan` their autograd Function runs. So a precaution taken here holds for every loss:
+:func:`cce_dist.linear_distillation` (:mod:`cce_dist.distill`) describe their call as a :class:`Call`, a value (the
+loss's name, its options, its tensors, the statistics its outputs read, its own handshake values), and get back the
+rows and the :class:`~cce_dist.engine.autograd.Plan` their autograd Function runs. So a precaution taken here holds for
+every loss:
 
-1. validate locally on every rank (``Call.prepare``: types, shapes, devices, target ids), and resolve the
-   implementation (``Call.resolve``: a :class:`~cce_dist.core.backend.Backend` or
-   :class:`~cce_dist.core.backend.DistillBackend`), catching the error instead of raising it yet;
+1. validate locally on every rank (:func:`cce_dist.engine.prepare.prepare_rows` /
+   :func:`~cce_dist.engine.prepare.prepare_distill_rows`: types, shapes, devices, target ids, class weights), and
+   resolve the implementation (:func:`~cce_dist.engine.prepare.resolve_backend`, or under torch.compile its custom ops,
+   :func:`cce_dist.engine.compile.ops_backend`), catching the error instead of raising it yet;
 2. with a group of more than one rank, the handshake (:func:`cce_dist.tp.collectives.handshake`): one all-gather of
    every value that decides which collectives run and with what sizes, each named (the options by their dataclass
    fields), so a rank-local error or a disagreement raises on every rank, naming what differs;
 3. the plan: the communicator, the vocabulary offset, the implementation's keyword options
    (:func:`cce_dist.engine.prepare.backend_kwargs`, from its declared capabilities) and the token chunk size every rank
-   agrees on.
+   agrees on; then what the outputs need of the vocabulary every rank agreed on.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from ..core.backend import Capabilities
-from ..core.options import CommonOptions, LossOptions, handshake_options
+from ..core import stats
+from ..core.backend import Backend
+from ..core.options import CommonOptions, CrossEntropyOptions, DistillationOptions, LossOptions, handshake_options
 from ..core.shard import VocabShard
-from ..impl import torch_cross_entropy
-from ..tp.collectives import Comm, Layout, handshake, released
+from ..impl import backends, torch_cross_entropy
+from ..tp.collectives import Comm, Layout, handshake, released, values_checksum
 from .autograd import Plan
-from .prepare import Prepared, backend_kwargs, check_target_range, grad_needs, resolve_filter_eps
+from .prepare import (
+    Prepared,
+    backend_kwargs,
+    check_class_weight,
+    check_row_stats_support,
+    check_target_range,
+    distill_kwargs,
+    grad_needs,
+    prepare_distill_rows,
+    prepare_rows,
+    resolve_backend,
+    resolve_filter_eps,
+)
 
-__all__ = ["Call", "plan_call"]
+__all__ = ["Call", "StatsNeeds", "plan_call"]
 
-B = TypeVar("B", bound=Capabilities)
 Named = tuple[tuple[str, object], ...]
-
-
-def _no_extra(rows: Prepared | None) -> Named:
-    return ()
+LossForm = Literal["cross-entropy", "logprobs", "distillation"]
 
 
 @dataclass(frozen=True)
-class Call(Generic[B]):
-    """One call of a loss, as the driver needs it.
+class StatsNeeds:
+    """Which optional statistics a loss's outputs read (for the implementations that can skip them)."""
 
-    form        the loss's name in the handshake ("cross-entropy", "logprobs", "distillation")
-    opts        its options (every loss's share the :class:`~cce_dist.core.options.LossOptions` fields)
-    hidden      the (student's) hidden as passed: its device, hidden size and sequence-parallel slice
-    weight      the (student's) head ``[V_local, D]`` as passed
-    bias        the (student's) bias or None (which of hidden/weight/bias require grad is compared)
-    prepare     local validation (raises TypeError / ValueError / RuntimeError naming the argument) and the rows
-    resolve     the implementation for the prepared rows (raises RuntimeError naming ``impl``)
-    extra       the loss's own handshake values, from the rows (None on a rank whose validation failed)
-    head        the prefix of the (student's) argument names in messages ("" or "student_")
-    need_entropy, need_sum, need_argmax, need_sumsq
-                which optional statistics the outputs read (for the implementations that can skip them)
+    entropy: bool = False
+    sum: bool = False
+    argmax: bool = False
+    sumsq: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a loss, as the driver needs it: values only.
+
+    form          the loss's name in the handshake
+    opts          its options (every loss's share the :class:`~cce_dist.core.options.LossOptions` fields)
+    hidden, weight, targets, bias
+                  the (student's) tensors as passed: ``hidden [..., D]`` (this rank's slice under sequence
+                  parallelism), ``weight [V_local, D]``, ``targets [...]`` integer global ids (distillation: or None),
+                  ``bias [V_local]`` or None
+    needs         the optional statistics its outputs read
+    teacher       distillation's ``(teacher_hidden, teacher_weight, teacher_bias)``; None for one head
+    class_weight  cross-entropy's ``class_weight [V]`` or None (its values are fingerprinted in the handshake)
+    extra         the loss's own handshake values, each named (e.g. whether the gradients are formed in forward)
+    compiling     the backend is the custom ops (:mod:`cce_dist.engine.compile`): under torch.compile and on the meta
+                  device, where the target ids are checked when the ops run (reading them here breaks the graph)
     """
 
-    form: str
+    form: LossForm
     opts: LossOptions
     hidden: Any
     weight: Any
+    targets: Any
     bias: Any
-    prepare: Callable[[], Prepared]
-    resolve: Callable[[Prepared], B]
-    extra: Callable[[Prepared | None], Named] = field(default=_no_extra)
-    head: str = ""
-    need_entropy: bool = False
-    need_sum: bool = False
-    need_argmax: bool = False
-    need_sumsq: bool = False
+    needs: StatsNeeds
+    teacher: tuple[Any, Any, Any] | None = None
+    class_weight: Any = None
+    extra: Named = ()
+    compiling: bool = False
+
+    @property
+    def head(self) -> str:
+        """The prefix of the (student's) argument names in messages."""
+        return "" if self.teacher is None else "student_"
 
 
-def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
+def _validate(call: Call) -> tuple[Prepared, Backend]:
+    """This rank's checks (raising TypeError / ValueError / RuntimeError naming the argument), its rows and the
+    implementation."""
+    opts = call.opts
+    if call.teacher is not None:
+        assert isinstance(opts, DistillationOptions)
+        th, tw, tb = call.teacher
+        rows = prepare_distill_rows(call.hidden, call.weight, th, tw, call.targets, call.bias, tb, opts)
+        # "auto" takes the torch implementation on every device: the distillation kernels have been checked in
+        # Triton's interpreter and compiled for GPU targets, not yet timed on one. A zero hidden size (either head)
+        # runs the torch implementation.
+        impl = "triton" if opts.impl == "triton" else "torch"
+        return rows, resolve_backend(impl, call.hidden.device, min(call.hidden.shape[-1], th.shape[-1]))
+    assert isinstance(opts, CommonOptions)
+    if isinstance(opts, CrossEntropyOptions):
+        check_class_weight(call.class_weight, call.hidden, call.weight, opts)
+    rows = prepare_rows(call.hidden, call.weight, call.targets, call.bias, opts, check_ids=not call.compiling)
+    if call.compiling:
+        from .compile import ops_backend
+
+        backend = ops_backend(opts.impl, call.hidden, opts.ignore_index)
+    else:
+        backend = resolve_backend(opts.impl, call.hidden.device, call.hidden.shape[-1])
+    check_row_stats_support(
+        backend, {"need_argmax": call.needs.argmax, "need_sumsq": call.needs.sumsq}, opts.row_outputs
+    )
+    return rows, backend
+
+
+def _validated_values(call: Call, rows: Prepared | None) -> Named:
+    """The handshake values only a rank whose inputs validated can form (None on one that failed, whose error the
+    handshake raises instead): class weights' checksum, the teacher head's geometry."""
+    out: Named = ()
+    if call.class_weight is not None:
+        out += (("class_weight's values (checksum)", None if rows is None else values_checksum(call.class_weight)),)
+    if call.teacher is not None:
+        out += (
+            ("the teacher's compute dtype", str(None if rows is None else rows.teacher_dtype)),
+            (
+                "the teacher's hidden size (teacher_hidden.shape[-1] = teacher_weight.shape[1])",
+                None if rows is None else call.teacher[0].shape[-1],
+            ),
+        )
+    return out
+
+
+def plan_call(call: Call) -> tuple[Prepared, Plan]:
     """Validate (locally, then with the group), flatten and plan: the rows and the :class:`Plan` of one call."""
     opts, shard = call.opts, call.opts.shard
     error: BaseException | None = None
     rows: Prepared | None = None
-    backend: Any = torch_cross_entropy  # what a failed rank names in the handshake
+    backend: Backend = backends.TORCH  # what a failed rank names in the handshake
     try:
-        rows = call.prepare()
-        backend = call.resolve(rows)
+        rows, backend = _validate(call)
     except (TypeError, ValueError, RuntimeError) as e:
         error, rows = e, None
 
@@ -99,10 +168,28 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
             vocab_size=v_local if shard is None else shard.stop, n_tokens=rows.targets.numel(), max_local=v_local
         )
     else:
-        layout = _exchange(call, shard, error, rows, backend.NAME)
+        layout = _exchange(call, shard, error, rows, backend.name)
         assert rows is not None  # the exchange raised this rank's error, if any, on every rank
 
-    filter_eps = resolve_filter_eps(opts, rows.compute_dtype) if isinstance(opts, CommonOptions) else None
+    if call.needs.argmax and layout.vocab_size > stats.MAX_EXACT_ID:
+        raise ValueError(
+            f"row_outputs 'predicted' / 'is_top1' need a vocabulary below 2**24 ids (float32 statistics), got "
+            f"{layout.vocab_size}"
+        )
+    if call.teacher is not None:
+        kwargs = distill_kwargs(backend, deterministic=opts.deterministic)
+    else:
+        assert isinstance(opts, CommonOptions)
+        kwargs = backend_kwargs(
+            backend,
+            chunk_size=opts.chunk_size,
+            need_entropy=call.needs.entropy,
+            need_sum=call.needs.sum,
+            need_argmax=call.needs.argmax,
+            need_sumsq=call.needs.sumsq,
+            filter_eps=resolve_filter_eps(opts, rows.compute_dtype),
+            deterministic=opts.deterministic,
+        )
     plan = Plan(
         backend=backend,
         compute_dtype=rows.compute_dtype,
@@ -110,16 +197,7 @@ def plan_call(call: Call[B]) -> tuple[Prepared, Plan[B]]:
         vocab_start=0 if shard is None else shard.start,
         vocab_size=layout.vocab_size,
         comm=Comm(shard, layout),
-        backend_kwargs=backend_kwargs(
-            backend,
-            chunk_size=opts.chunk_size,
-            need_entropy=call.need_entropy,
-            need_sum=call.need_sum,
-            need_argmax=call.need_argmax,
-            need_sumsq=call.need_sumsq,
-            filter_eps=filter_eps,
-            deterministic=opts.deterministic,
-        ),
+        backend_kwargs=kwargs,
         # from values every rank agreed on, so the per-chunk collectives line up
         chunk_tokens=torch_cross_entropy.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
@@ -143,7 +221,8 @@ def _exchange(
     named = (
         (("the loss", call.form),)
         + handshake_options(opts)
-        + call.extra(rows)
+        + call.extra
+        + _validated_values(call, rows)
         + (
             ("sequence_parallel", sp),
             ("reduce_hidden_grad", shard.reduce_hidden_grad),

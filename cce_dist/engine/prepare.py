@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.backend import Backend, DistillBackend
-from ..core.options import CommonOptions, CrossEntropyOptions, LogprobOptions, Reduction
-from ..impl import torch_cross_entropy, torch_distill
+from ..core.backend import Backend
+from ..core.options import CommonOptions, CrossEntropyOptions, DistillationOptions, LogprobOptions, Reduction
+from ..impl import backends
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..core.shard import VocabShard
@@ -41,15 +41,16 @@ __all__ = [
     "check_tensors",
     "compute_dtype",
     "cross_entropy_result",
+    "distill_kwargs",
     "grad_needs",
     "is_dtensor",
     "known_vocab",
     "logprob_result",
+    "prepare_distill_rows",
     "prepare_rows",
     "reduce_loss",
     "resolve_backend",
     "resolve_deterministic",
-    "resolve_distill_backend",
     "resolve_filter_eps",
     "row_mask",
     "shift_targets",
@@ -349,20 +350,67 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+def prepare_distill_rows(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> Prepared:
+    """Distillation's local checks (every rank, before any collective; errors name the argument) and the rows: the
+    student's hidden ``[n, D_s]``, the teacher's (detached) ``[n, D_t]``, the target ids ``int64 [N]`` (``ignore_index``
+    everywhere without targets, with every row counted)."""
+    check_head(sh, sw, sb, opts.shard, prefix="student_")
+    check_head(th, tw, tb, opts.shard, prefix="teacher_", ref=("student_hidden", sh))
+    if tw.shape[0] != sw.shape[0]:
+        raise ValueError(
+            f"teacher_weight.shape[0] ({tw.shape[0]}) must equal student_weight.shape[0] "
+            f"({sw.shape[0]}): both heads must hold the same vocabulary rows"
+        )
+    if tuple(th.shape[:-1]) != tuple(sh.shape[:-1]):
+        raise ValueError(
+            f"teacher_hidden.shape[:-1] {tuple(th.shape[:-1])} must equal student_hidden.shape[:-1] "
+            f"{tuple(sh.shape[:-1])} (one teacher row per student row)"
+        )
+    shard = opts.shard
+    if shard is not None and shard.sequence_parallel and shard.world_size > 1 and sh.dim() < 2:
+        raise ValueError("sequence_parallel needs student_hidden/teacher_hidden [n/P, ..., D]")
+    shape = token_shape(sh, shard)
+    if targets is None:
+        if opts.hard_label_weight > 0:
+            raise ValueError(
+                f"hard_label_weight={opts.hard_label_weight} needs targets (the ids of the CE term); "
+                "pass targets or hard_label_weight=0"
+            )
+        n = math.prod(shape)
+        t = torch.full((n,), opts.ignore_index, dtype=torch.long, device=sh.device)
+        valid = torch.ones(n, dtype=torch.bool, device=sh.device)
+    else:
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets must be a torch.Tensor or None, got {type(targets).__name__}")
+        check_targets(targets, sh, shard, hidden_name="student_hidden")
+        t = targets.to(torch.int64).reshape(-1)
+        check_target_range(t, opts.ignore_index, known_vocab(sw, shard))
+        valid = t != opts.ignore_index
+    return Prepared(
+        as_rows(sh),
+        t,
+        shape,
+        compute_dtype(sh, sw),
+        valid=valid,
+        teacher_hidden=as_rows(th.detach()),
+        teacher_dtype=compute_dtype(th, tw),
+    )
+
+
 def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = None) -> Backend:
-    """The implementation module for ``impl`` on ``device``. A zero hidden size (``hidden_dim == 0``: the logits are
-    the bias, or 0) always runs the torch implementation: its GEMMs handle the empty projection, the kernels do not
-    (the check that ``impl='triton'`` can run still applies)."""
+    """The implementation for ``impl`` on ``device`` (:mod:`cce_dist.impl.backends`). A zero hidden size
+    (``hidden_dim == 0``: the logits are the bias, or 0) always runs the torch implementation: its GEMMs handle the
+    empty projection, the kernels do not (the check that ``impl='triton'`` can run still applies)."""
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
-        return torch_cross_entropy
+        return backends.TORCH
     if hidden_dim == 0:
         resolve_backend(impl, device)  # same errors as for a non-empty projection
-        return torch_cross_entropy
+        return backends.TORCH
     try:
         from .. import kernels
     except ImportError as e:  # triton missing
         if impl == "auto":
-            return torch_cross_entropy
+            return backends.TORCH
         raise RuntimeError(f"impl='triton' needs triton installed (pip install triton): {e}") from e
     reason = kernels.unsupported()
     if impl == "auto":
@@ -371,8 +419,8 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
                 f"cce_dist: {reason}; impl='auto' uses the torch implementation (install a Triton in that range, "
                 "or pass impl='torch' to silence this)"
             )
-            return torch_cross_entropy
-        return kernels if kernels.available() else torch_cross_entropy
+            return backends.TORCH
+        return backends.triton() if kernels.available() else backends.TORCH
     if reason is not None:
         raise RuntimeError(f"impl='triton': {reason}; install a Triton in that range or use impl='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -380,28 +428,16 @@ def resolve_backend(impl: str, device: torch.device, hidden_dim: int | None = No
             "impl='triton' on CPU tensors runs only in Triton's interpreter: set TRITON_INTERPRET=1 before "
             "triton is imported, or use impl='torch'"
         )
-    return kernels
-
-
-def resolve_distill_backend(impl: str, device: torch.device, hidden_dim: int) -> DistillBackend:
-    """The distillation implementation for ``impl``: :mod:`cce_dist.impl.triton_distill` where ``impl="triton"``
-    resolves to the kernels (with its errors where they cannot run), else :mod:`cce_dist.impl.torch_distill`. ``"auto"``
-    takes the torch implementation on every device: the distillation kernels have been checked in Triton's interpreter
-    and compiled for GPU targets, not yet timed on one. ``hidden_dim``: the smaller head's hidden size."""
-    if impl != "triton" or resolve_backend(impl, device, hidden_dim) is torch_cross_entropy:
-        return torch_distill
-    from ..impl import triton_distill
-
-    return triton_distill
+    return backends.triton()
 
 
 def check_row_stats_support(backend: Backend, needs: dict[str, bool], row_outputs: tuple[str, ...]) -> None:
     """Raise RuntimeError (naming ``row_outputs`` and the remedy) where ``backend`` cannot form a statistics column
-    the requested row outputs read (``need_argmax`` / ``need_sumsq`` missing from its ``ROW_STATS_OPTIONS``)."""
-    missing = [k for k in ("need_argmax", "need_sumsq") if needs.get(k) and k not in backend.ROW_STATS_OPTIONS]
+    the requested row outputs read (``need_argmax`` / ``need_sumsq`` missing from its ``row_stats_options``)."""
+    missing = [k for k in ("need_argmax", "need_sumsq") if needs.get(k) and k not in backend.row_stats_options]
     if missing:
         raise RuntimeError(
-            f"row_outputs={row_outputs} is not available with the {backend.NAME} implementation (it does not form "
+            f"row_outputs={row_outputs} is not available with the {backend.name} implementation (it does not form "
             f"{', '.join(m[len('need_') :] for m in missing)}); pass impl='torch'"
         )
 
@@ -431,8 +467,8 @@ def backend_kwargs(
     need_sumsq: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{"row_stats": {...}, "grads": {...}}``: the keyword options ``backend`` takes beyond the contract
-    (:data:`~cce_dist.core.backend.Backend.ROW_STATS_OPTIONS` / ``GRADS_OPTIONS``), plus ``filter_eps`` and
-    ``deterministic`` where it honours them (``SUPPORTS_FILTERING`` / ``DETERMINISTIC_OPTION``).
+    (:class:`~cce_dist.core.backend.Backend`'s ``row_stats_options`` / ``grads_options``), plus ``filter_eps`` and
+    ``deterministic`` where it honours them (``supports_filtering`` / ``deterministic_option``).
 
     ``deterministic`` is the requested flag; torch.use_deterministic_algorithms is read here."""
     offered_row = {
@@ -443,15 +479,23 @@ def backend_kwargs(
         "need_sumsq": need_sumsq,
     }
     offered_grads: dict[str, Any] = {"chunk_size": chunk_size}
-    grads = {k: v for k, v in offered_grads.items() if k in backend.GRADS_OPTIONS}
-    if backend.SUPPORTS_FILTERING:
+    grads = {k: v for k, v in offered_grads.items() if k in backend.grads_options}
+    if backend.supports_filtering:
         grads["filter_eps"] = filter_eps
-    if backend.DETERMINISTIC_OPTION:
+    if backend.deterministic_option:
         grads["deterministic"] = resolve_deterministic(deterministic)
     return {
-        "row_stats": {k: v for k, v in offered_row.items() if k in backend.ROW_STATS_OPTIONS},
+        "row_stats": {k: v for k, v in offered_row.items() if k in backend.row_stats_options},
         "grads": grads,
     }
+
+
+def distill_kwargs(backend: Backend, *, deterministic: bool) -> dict[str, dict[str, Any]]:
+    """``{"grads": {...}}``: the keyword options ``backend``'s distillation pass takes (its ``grads_options``), for
+    its ``grads`` and its fused ``forward(row_grad=...)``."""
+    assert backend.distill is not None
+    offered = {"deterministic": resolve_deterministic(deterministic)}
+    return {"grads": {k: v for k, v in offered.items() if k in backend.distill.grads_options}}
 
 
 # ----------------------------------------------------------------------------------------------

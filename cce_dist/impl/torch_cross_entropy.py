@@ -26,17 +26,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..core.backend import ALPHA, BETA, DELTA, GAMMA
+from ..core.formulas import CrossEntropyTerms
 from ..core.options import DEFAULT_CHUNK_SIZE, MIN_CHUNK_TOKENS
 from ..core.runtime import f32_out_gemm, matmul_f32, mm_f32
 from ..core.stats import ARGMAX, ENTROPY, MAX, NUM_STATS, SUM, SUM_SCALE, SUMEXP, SUMSQ, TARGET, empty_stats, safe_max
-
-# Capabilities (the cce_dist.core.backend.Backend protocol).
-NAME = "torch"
-FUSED_CHUNKING = True  # fused_cross_entropy below is this implementation's scalar-loss schedule
-SUPPORTS_FILTERING = False  # exact: filter_eps is accepted and ignored
-DETERMINISTIC_OPTION = False  # always deterministic
-ROW_STATS_OPTIONS = frozenset({"chunk_size", "need_entropy", "need_sum", "need_argmax", "need_sumsq"})
-GRADS_OPTIONS = frozenset({"chunk_size"})
 
 
 def chunk_tokens(n_tokens: int, v_local: int, chunk_size: int | None) -> int:
@@ -354,55 +347,31 @@ def grads(
     acc = GradAccumulator(hidden, weight, need_hidden, need_weight, need_bias, round_to)
     step = chunk_tokens(n_tokens, v_local, chunk_size)
     block = LogitsBlock(v_local, step, hidden.device)
+
+    def chunk(sl: slice, c: torch.Tensor) -> None:
+        # A function per chunk, so its temporaries die before the next chunk starts.
+        z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
+        z.sub_(lse[sl])  # log p
+        p = torch.exp(z) if need_z else z.exp_()
+        inactive = _inactive_rows(c)
+        dz = _finish_dz(
+            p,
+            z if need_z else None,
+            th,
+            c,
+            inactive,
+            targets[sl],
+            vocab_start,
+            temperature,
+            gamma_weights=gamma_weights,
+        )
+        acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
+
     for sl in token_chunks(n_tokens, step):
         c = coef[sl]
         if bool(c.any()):  # else every row of the chunk is ignored or has a zero upstream gradient
-            _grad_chunk(
-                acc,
-                block,
-                hidden,
-                weight,
-                bias,
-                targets,
-                lse,
-                c,
-                sl,
-                vocab_start,
-                softcap,
-                temperature,
-                need_z,
-                round_to,
-                gamma_weights,
-            )
+            chunk(sl, c)
     return acc.result()
-
-
-def _grad_chunk(
-    acc,
-    block,
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    c,
-    sl,
-    vocab_start,
-    softcap,
-    temperature,
-    need_z,
-    round_to,
-    gamma_weights,
-):
-    """One token chunk of :func:`grads` (a function, so its temporaries die on return)."""
-    z, th = logits_t(hidden[sl], weight, bias, softcap, temperature, block, round_to)
-    z.sub_(lse[sl])  # log p
-    p = torch.exp(z) if need_z else z.exp_()
-    inactive = _inactive_rows(c)
-    dz = _finish_dz(
-        p, z if need_z else None, th, c, inactive, targets[sl], vocab_start, temperature, gamma_weights=gamma_weights
-    )
-    acc.add(dz, inactive_rows_zeroed(hidden[sl], inactive), weight, sl)
 
 
 def fused_cross_entropy(
@@ -410,10 +379,8 @@ def fused_cross_entropy(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    valid: torch.Tensor,
+    terms: CrossEntropyTerms,
     row_grad: float,
-    coef_fn: Callable[[torch.Tensor, slice], torch.Tensor],
-    rows_fn: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]],
     *,
     vocab_start: int,
     softcap: float | None,
@@ -429,9 +396,9 @@ def fused_cross_entropy(
     """Loss rows and gradients in one pass over token chunks (3 GEMMs; the scalar-loss schedule).
 
     Each chunk's full rows of logits give the (global, via ``reduce_stats``) statistics, then the
-    loss rows via ``rows_fn(stats, rows) -> (loss, lse)`` and, while the logits are still held,
-    the gradient for an upstream gradient of ``row_grad`` on every valid row via
-    ``coef_fn(lse, rows) -> coef`` (``rows``: the chunk's slice of the N rows; ``p`` is formed as
+    loss rows ``terms.rows(stats, rows) -> (loss, lse)`` and, while the logits are still held,
+    the gradient for an upstream gradient of ``row_grad`` on every counted row (``terms.valid``) from
+    ``terms.coef(lse, rows)`` (``rows``: the chunk's slice of the N rows; ``p`` is formed as
     ``exp(z - m) / s``, exactly: the coefficients need no
     :func:`~cce_dist.core.formulas.lse_residual`). ``chunk_tokens_`` must be the same on every rank when
     ``reduce_stats`` communicates. ``need_sum=False`` skips the SUM statistic (no label smoothing);
@@ -453,12 +420,12 @@ def fused_cross_entropy(
         if sum_column is not None:
             local[:, SUM] = sum_column[sl]
         glob = reduce_stats(local) if reduce_stats is not None else local
-        loss[sl], lse[sl] = rows_fn(glob, sl)
+        loss[sl], lse[sl] = terms.rows(glob, sl)
         if acc.dh is None and acc.dw is None and acc.db is None:
             return
         # p = exp(z - m_local) * exp(m_local - m) / s, the factor joining alpha's pass: exact to a few float32
         # roundings, where exp(m_local - lse) would carry the rounding of lse (an ulp of the logits' magnitude)
-        c = coef_fn(lse[sl], sl) * row_grad
+        c = terms.coef(lse[sl], sl) * row_grad
         inactive = _inactive_rows(c)
         p_scale = torch.exp(local[:, MAX] - glob[:, MAX]) / glob[:, SUMEXP]
         dz = _finish_dz(

@@ -69,14 +69,6 @@ from .torch_cross_entropy import (
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.core.backend.DistillBackend
-NAME = "torch"
-FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients while the chunk's logits are held
-SUPPORTS_FILTERING = False
-DETERMINISTIC_OPTION = False  # always deterministic
-ROW_STATS_OPTIONS: frozenset[str] = frozenset()
-GRADS_OPTIONS: frozenset[str] = frozenset()
-
 
 @dataclass
 class Heads:

@@ -23,14 +23,6 @@ from . import torch_distill
 
 Tensor = torch.Tensor
 
-# the capabilities of cce_dist.core.backend.DistillBackend
-NAME = "triton"
-FUSED_CHUNKING = True  # forward(row_grad=...) forms the gradients after its statistics pass
-SUPPORTS_FILTERING = False
-DETERMINISTIC_OPTION = True  # the default gradients use float atomics
-ROW_STATS_OPTIONS: frozenset[str] = frozenset()
-GRADS_OPTIONS: frozenset[str] = frozenset()
-
 
 class Heads(torch_distill.Heads):
     """:class:`cce_dist.impl.torch_distill.Heads` with the tensors left in their compute dtypes (the kernels
@@ -79,8 +71,8 @@ def _grads(heads: Heads, stats: Tensor, rows: Tensor, g: Tensor, need: tuple[boo
     )
 
 
-# forward and grads: the cce_dist.core.backend.DistillBackend protocol, as torch_distill (mypy checks both modules
-# against it where cce_dist.engine.prepare.resolve_distill_backend returns them).
+# forward and grads: the cce_dist.core.backend.DistillPass contract, as torch_distill (mypy checks both where
+# cce_dist.impl.backends builds them).
 def forward(
     heads: Heads,
     step: int,

@@ -20,14 +20,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-# The Backend protocol's capabilities are exported too: a module satisfies the protocol through its public names.
 __all__ = [
-    "DETERMINISTIC_OPTION",
-    "FUSED_CHUNKING",
-    "GRADS_OPTIONS",
-    "NAME",
-    "ROW_STATS_OPTIONS",
-    "SUPPORTS_FILTERING",
     "TRITON_RANGE",
     "available",
     "grads",
@@ -38,14 +31,6 @@ __all__ = [
 #: The Triton releases ``(major, minor)`` the kernels are compiled and tested with, inclusive: 3.6
 #: (pinned by torch 2.10 / 2.11) to 3.9. Outside it ``impl="auto"`` takes the torch path.
 TRITON_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (3, 9))
-
-# Capabilities (the cce_dist.core.backend.Backend protocol).
-NAME = "triton"
-FUSED_CHUNKING = False
-SUPPORTS_FILTERING = True
-DETERMINISTIC_OPTION = True  # the default backward uses float atomics
-ROW_STATS_OPTIONS: frozenset[str] = frozenset({"need_entropy", "need_sum", "need_argmax", "need_sumsq"})
-GRADS_OPTIONS: frozenset[str] = frozenset()
 
 
 def _interpret_env() -> bool:
@@ -92,9 +77,9 @@ def available() -> bool:
 
 
 # row_stats and grads are .forward.row_stats and .backward.grads themselves, imported on first use (so this package
-# imports without triton): their signatures are those functions' own, nothing restates them. mypy reads the imports
-# below and checks them against the cce_dist.core.backend.Backend protocol; tests/test_signatures.py checks that each
-# public keyword beyond the protocol's is a declared option (ROW_STATS_OPTIONS / GRADS_OPTIONS).
+# imports without triton): their signatures are those functions' own, nothing restates them.
+# tests/test_signatures.py checks that each public keyword beyond the contract's is an option
+# cce_dist.impl.backends.triton() declares.
 if TYPE_CHECKING:  # pragma: no cover
     from .backward import grads
     from .forward import row_stats
