@@ -196,7 +196,10 @@ class _CceLoss:
                 f"cce_dist.hf: {name} called its loss_function before its output embeddings: the patched loss has "
                 "no hidden states to score"
             )
-        transform = _transform(state, logits, probe)
+        if state.head_calls != 1:
+            raise RuntimeError(_calls_message(state))
+        transform = hf_heads.resolve(type(state.model).__name__, logits, probe, state.candidates, state.transform)
+        state.transform = transform
         head = _check_head(state.model)
         weight: torch.Tensor = head.weight
         bias: torch.Tensor | None = head.bias
@@ -221,33 +224,6 @@ class _CceLoss:
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
         return loss
-
-
-def _transform(state: _PatchedForward, observed: torch.Tensor, probe: torch.Tensor) -> hf_heads.LogitTransform:
-    """What the model's forward did to its head's output, from what it made of the probe (see the module docstring);
-    a RuntimeError naming it when no candidate the config allows reproduces it."""
-    name = type(state.model).__name__
-    if tuple(observed.shape) != tuple(probe.shape) or not observed.is_floating_point():
-        raise RuntimeError(
-            f"cce_dist.hf: {name} post-processes its logits into {hf_heads.describe_observed(observed, probe)}: not "
-            "an elementwise scale or softcap, which is all the patched loss reproduces; unpatch this model"
-        )
-    if torch.compiler.is_compiling():  # no .item() in a graph: the identified (or usual) one, checked on the device
-        transform = state.transform or state.candidates[0]
-        torch._assert_async(
-            hf_heads.matches(observed, probe, transform),
-            f"cce_dist.hf: {name} does not post-process its logits as {transform.describe()}",
-        )
-        return transform
-    found = hf_heads.identify(observed, probe, state.candidates)
-    if found is None:
-        raise RuntimeError(
-            f"cce_dist.hf: {name} post-processes its logits in a way the patched loss does not reproduce: "
-            f"{hf_heads.describe_observed(observed, probe)} (head output -> logits); the config allows "
-            f"{[t.describe() for t in state.candidates]}. Unpatch this model (cce_dist.hf.unpatch) or report it"
-        )
-    state.transform = found
-    return found
 
 
 def _find_causal_lm(model: nn.Module) -> nn.Module:
@@ -480,11 +456,18 @@ def _patched_forward(patched: _PatchedForward, args: tuple, kwargs: dict):
     finally:
         patched._reset(active=False)
     if head_calls != 1 or loss_calls != 1:
-        raise RuntimeError(
-            f"cce_dist.hf: {type(model).__name__}.forward called its output embeddings {head_calls} time(s) and "
-            f"self.loss_function {loss_calls} time(s); the patched loss reproduces a forward that calls each once"
-        )
+        raise RuntimeError(_calls_message(patched, head_calls, loss_calls))
     return _output(outputs, observed, return_dict)
+
+
+def _calls_message(state: _PatchedForward, head_calls: int | None = None, loss_calls: int | None = None) -> str:
+    head_calls = state.head_calls if head_calls is None else head_calls
+    loss_calls = state.loss_calls if loss_calls is None else loss_calls
+    return (
+        f"cce_dist.hf: {type(state.model).__name__}.forward called its output embeddings {head_calls} time(s) and "
+        f"self.loss_function {loss_calls} time(s) (so far); the patched loss reproduces a forward that calls each "
+        "once, the loss function on the head's (scaled / capped) output"
+    )
 
 
 def _output(outputs: Any, logits: Any, return_dict: bool):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LogitTransform", "candidate_transforms", "describe_observed", "identify", "matches", "probe"]
+__all__ = ["LogitTransform", "candidate_transforms", "describe_observed", "identify", "matches", "probe", "resolve"]
 
 #: config fields holding a multiplier of the logits (multiplied by it or divided by it, depending on the family):
 #: Cohere / Aya ``logit_scale``, Granite / HyperCLOVA X ``logits_scaling``, Falcon-H1 ``lm_head_multiplier``,
@@ -167,10 +167,53 @@ def identify(
     return best
 
 
-def describe_observed(observed: torch.Tensor, probe_logits: torch.Tensor) -> str:
-    """A few ``probe -> observed`` pairs, for the error when no candidate matches."""
+def describe_observed(
+    observed: torch.Tensor, probe_logits: torch.Tensor, expected: LogitTransform | None = None
+) -> str:
+    """A few ``probe -> observed`` pairs, for the error when no candidate matches, and the first vocabulary entry
+    where ``observed`` is not ``expected`` of the probe (e.g. an entry the model masks)."""
     if observed.shape != probe_logits.shape:
         return f"logits of shape {tuple(observed.shape)} from the head's {tuple(probe_logits.shape)}"
-    z = probe_logits.reshape(-1)[: len(_PROBE_VALUES)].tolist()
-    o = observed.detach().reshape(-1)[: len(_PROBE_VALUES)].float().tolist()
-    return ", ".join(f"{a:g} -> {b:.6g}" for a, b in zip(z, o))
+    z, o = probe_logits.reshape(-1), observed.detach().reshape(-1).float()
+    text = ", ".join(f"{a:g} -> {b:.6g}" for a, b in zip(z[: len(_PROBE_VALUES)].tolist(), o.tolist()))
+    if expected is not None:
+        want = expected.apply(z)
+        bad = ((o - want).abs() > _tolerance(observed.dtype) * want.abs()).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            text += f"; entry {i}: {float(z[i]):g} -> {float(o[i]):.6g}"
+            text += f", where {expected.describe()} gives {float(want[i]):.6g}"
+    return text
+
+
+def resolve(
+    name: str,
+    observed: torch.Tensor,
+    probe_logits: torch.Tensor,
+    candidates: tuple[LogitTransform, ...],
+    identified: LogitTransform | None = None,
+) -> LogitTransform:
+    """What model ``name``'s forward did to its head's output, from what it made of the probe (``observed``, the
+    logits it passed to its loss function): eagerly, the candidate :func:`identify` finds, or a RuntimeError naming
+    what it did; under torch.compile (no ``.item()`` in a graph) ``identified`` (what an eager call found) or the
+    family's usual candidate, checked on the device with ``torch._assert_async``."""
+    if tuple(observed.shape) != tuple(probe_logits.shape) or not observed.is_floating_point():
+        raise RuntimeError(
+            f"cce_dist.hf: {name} post-processes its logits into {describe_observed(observed, probe_logits)}: not an "
+            "elementwise scale or softcap, which is all the patched loss reproduces; unpatch this model"
+        )
+    if torch.compiler.is_compiling():
+        transform = identified or candidates[0]
+        torch._assert_async(
+            matches(observed, probe_logits, transform),
+            f"cce_dist.hf: {name} does not post-process its logits as {transform.describe()}",
+        )
+        return transform
+    found = identify(observed, probe_logits, candidates)
+    if found is None:
+        raise RuntimeError(
+            f"cce_dist.hf: {name} post-processes its logits in a way the patched loss does not reproduce: "
+            f"{describe_observed(observed, probe_logits, candidates[0])} (head output -> logits); the config allows "
+            f"{[t.describe() for t in candidates]}. Unpatch this model (cce_dist.hf.unpatch) or report it"
+        )
+    return found
