@@ -622,3 +622,22 @@ def test_patch_time_refusals_name_what_is_unsupported():
         cce_hf.patch(cohere)
     for model in (inline, custom, cohere):
         assert not cce_hf.is_patched(model) and "forward" not in vars(model.lm_head)
+
+
+def test_compiled_scaled_model_uses_and_checks_its_transform():
+    """Compiled (no eager step first), a Granite model divides by logits_scaling (the family's usual transform); a
+    transform the model does not apply fails the device-side check instead of returning its loss."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, extra = _any_model("granite")
+    inputs = _any_inputs("granite", extra)
+    ref = model(**inputs).loss
+    cce_hf.patch(model)
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    model.forward.candidates, model.forward.transform = (WRONG["granite"],), None
+    with pytest.raises(RuntimeError, match="does not post-process its logits as x 3"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs)
+    torch._dynamo.reset()
