@@ -167,3 +167,46 @@ def test_trainer_logs_and_parameters_equal_trls_head(kind, patch_when, bf16, tmp
     assert got_params.keys() == want_params.keys()
     for name, q in want_params.items():
         torch.testing.assert_close(got_params[name], q, rtol=params_tol, atol=params_tol, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# cce_dist.hf.patch on a model that carries TRL's fused head
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["hf-after-trl", "trl-after-hf"])
+def test_hf_patch_on_a_trainers_model_scores_through_cce_trl(order, tmp_path, monkeypatch):
+    """``cce_dist.hf.patch(trainer.model)`` once the trainer installed its fused head, with ``cce_dist.trl.patch()``
+    before or after it: the fused calls go to TRL's head scored by cce_dist (they used to reach the hf patch and crash
+    with ``'CausalLMOutputWithPast' object has no attribute 'log_probs'``), so training logs what cce_dist.trl alone
+    logs."""
+    import cce_dist.hf as cce_hf
+
+    def prepare(trainer):
+        cce_hf.patch(trainer.model)
+        assert cce_hf.is_patched(trainer.model)
+        if order == "trl-after-hf":
+            ct.patch()
+
+    want_logs, want_params = train("sft", tmp_path / "trl", "before")
+    scored = []
+    real = ct.linear_logprobs
+    monkeypatch.setattr(ct, "linear_logprobs", lambda *a, **k: scored.append(1) or real(*a, **k))
+    when = "before" if order == "hf-after-trl" else None
+    got_logs, got_params = train("sft", tmp_path / "both", when, prepare=prepare)
+    assert scored  # cce_dist.trl's head scored the tokens
+    assert len(got_logs) == len(want_logs)
+    for got, want in zip(got_logs, want_logs):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert math.isclose(got[key], want[key], rel_tol=1e-6, abs_tol=1e-7), (key, got[key], want[key])
+    for name, q in want_params.items():
+        torch.testing.assert_close(got_params[name], q, rtol=0, atol=0, msg=name)
+
+
+def test_hf_patch_on_a_trainers_model_without_cce_trl_names_it(tmp_path):
+    """Without ``cce_dist.trl.patch()`` the fused calls would not score with cce_dist: the first raises, naming it."""
+    import cce_dist.hf as cce_hf
+
+    with pytest.raises(RuntimeError, match=r"fused_lm_head=True.*cce_dist\.trl\.patch\(\)"):
+        train("sft", tmp_path, None, prepare=lambda trainer: cce_hf.patch(trainer.model))
