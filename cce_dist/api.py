@@ -26,6 +26,7 @@ from .core.options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, 
 from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .core.shard import VocabShard
 from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
+from .engine.data_parallel import all_targets, own_rows
 from .engine.driver import Call, plan_call
 from .engine.prepare import (
     Prepared,
@@ -159,6 +160,8 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         and wants_grad
         # class weights' mean divides the z-loss by the token count, the cross-entropy by the weights' sum
         and not (class_weight is not None and opts.z_loss and opts.reduction == "mean")
+        # data_parallel: each rank's loss has its own upstream gradient, known only in backward
+        and not (opts.shard is not None and opts.shard.data_parallel)
     )
     extra = (
         ("whether any of hidden/weight/bias requires grad", wants_grad),
@@ -168,12 +171,13 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     call = _call("cross-entropy", hidden, weight, targets, bias, opts, extra, class_weight, compiling=compiling)
     rows, plan = _plan(call)
     check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
+    targets, _ = all_targets(plan, rows.targets)  # data_parallel: every rank's (the rows scored here)
     cw = None
     if class_weight is not None:
-        valid = rows.targets != opts.ignore_index
+        valid = targets != opts.ignore_index
         cw = ClassWeights.of(
             class_weight,
-            rows.targets,
+            targets,
             valid,
             vocab_start=plan.vocab_start,
             v_local=weight.shape[0],
@@ -183,11 +187,13 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts, cw)
     # with class weights the z-loss is added from the returned lse (cross_entropy_result)
     rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
-    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, rows_opts, cw)
+    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, targets, plan, rows_opts, cw)
     if compiling:
         loss_rows, lse = C.first_order(loss_rows, lse)
-    result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else cw.rows)
-    return _with_row_outputs(result, stats, rows, plan, opts)
+    loss_rows, lse = own_rows(plan, loss_rows, lse)  # data_parallel: this rank's rows (no-op otherwise)
+    own = plan.comm.own_rows
+    result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else own(cw.rows))
+    return _with_row_outputs(result, own(stats), rows, plan, opts)
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
@@ -200,10 +206,11 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     rows, plan = _plan(_call("logprobs", hidden, weight, targets, bias, opts, extra, compiling=compiling))
-    lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, all_targets(plan, rows.targets)[0], plan, opts)
     if compiling:
         lp, ent = C.first_order(lp, ent)
-    return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
+    lp, ent = own_rows(plan, lp, ent)  # data_parallel: this rank's rows (no-op otherwise)
+    return _with_row_outputs(logprob_result(lp, ent, rows, opts), plan.comm.own_rows(stats), rows, plan, opts)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from .core.options import DistillationOptions, Divergence, Impl, Reduction
 from .core.shard import VocabShard
+from .engine.data_parallel import all_targets, own_rows
 from .engine.distill_autograd import DistillRows, FusedDistill
 from .engine.driver import Call, plan_call
 from .engine.prepare import (
@@ -83,6 +84,7 @@ def _prepare(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions) -> Prep
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     fused = opts.reduction != "none" and opts.grad_in_forward is not False and any(grad_needs(sh, sw, sb))
+    fused = fused and not (opts.shard is not None and opts.shard.data_parallel)  # each rank's own upstream
 
     def extra(rows: Prepared | None) -> tuple[tuple[str, Any], ...]:
         """What only distillation sends (besides its options): the teacher head's geometry, which arguments are
@@ -113,11 +115,13 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     )
     rows, plan = plan_call(call)
     tw, tb = tw.detach(), None if tb is None else tb.detach()
-    args = (rows.hidden, sw, sb, rows.targets, rows.valid, rows.teacher_hidden, tw, tb, plan, opts)
+    targets_all, valid_all = all_targets(plan, rows.targets, rows.valid)  # data_parallel: every rank's
+    args = (rows.hidden, sw, sb, targets_all, valid_all, rows.teacher_hidden, tw, tb, plan, opts)
     if fused and plan.backend.FUSED_CHUNKING:
         return FusedDistill.apply(*args)
     assert rows.valid is not None  # distillation's rows always carry it
-    return reduce_loss(DistillRows.apply(*args), rows.valid, opts.reduction, rows.shape)
+    (loss_rows,) = own_rows(plan, DistillRows.apply(*args))  # data_parallel: this rank's rows
+    return reduce_loss(loss_rows, rows.valid, opts.reduction, rows.shape)
 
 
 def linear_distillation(

@@ -29,7 +29,7 @@ from ..core.backend import Capabilities
 from ..core.options import CommonOptions, LossOptions, handshake_options
 from ..core.shard import VocabShard
 from ..impl import torch_cross_entropy
-from ..tp.collectives import Comm, Layout, handshake, released
+from ..tp.collectives import Comm, Layout, data_parallel_layout, handshake, released
 from .autograd import Plan
 from .prepare import Prepared, backend_kwargs, check_target_range, grad_needs, resolve_filter_eps
 
@@ -177,8 +177,12 @@ def _exchange(
 
 
 def _cheap_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Layout:
-    """check=False: learn only the global vocab and the largest shard (one tiny all-reduce)."""
+    """check=False: learn only the global vocab and the largest shard (one tiny all-reduce; data_parallel: the
+    token counts too, one tiny all-gather)."""
     import torch.distributed as dist
+
+    if shard.data_parallel:
+        return data_parallel_layout(shard, n_tokens, device)
 
     buf = torch.tensor([shard.stop, shard.local_size], dtype=torch.int64, device=device)
     with released([buf]):  # see tp.collectives.released: the worker thread must not outlive the call with it
