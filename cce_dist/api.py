@@ -365,7 +365,9 @@ def linear_cross_entropy(
         softcap: Gemma-style logit soft-capping, or None.
         shift: position ``i`` predicts ``targets[..., i + shift]`` (True = 1); the last ``shift``
             positions are ignored. Only the targets are shifted (hidden is never copied).
-        shard: a :class:`VocabShard` for a vocab-parallel head, or None for one device.
+        shard: a :class:`VocabShard` for a vocab-parallel head, or None for one device. With
+            ``data_parallel=True`` (FSDP2) each rank passes its own ``hidden [n_r, ..., D]`` /
+            ``targets [n_r, ...]`` and gets the loss of its own tokens (docs/fsdp.md).
         impl: ``"auto"`` (triton for CUDA tensors when it imports, else torch), ``"torch"``,
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
         return_lse: also return the float32 per-token log-sum-exp (targets' shape).

@@ -180,7 +180,8 @@ def linear_distillation(
         reduction: ``"mean"`` over counted rows (0 when none), ``"sum"`` or ``"none"``.
         student_bias, teacher_bias: ``[V_local]`` or None.
         softcap: None, one number for both heads, or ``(student, teacher)``.
-        shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None.
+        shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None;
+            ``data_parallel=True``: each rank passes its own rows and gets its own loss (docs/fsdp.md).
         impl: ``"auto"`` (the torch implementation), ``"torch"`` (any device) or ``"triton"`` (the Triton
             kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; all tokens in one pass,
             so ``chunk_size`` does not apply).
