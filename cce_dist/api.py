@@ -24,6 +24,7 @@ from .core.options import CrossEntropyOptions, FilterEps, Impl, LogprobOptions, 
 from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .core.shard import VocabShard
 from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
+from .engine.data_parallel import all_targets, own_rows
 from .engine.driver import Call, StatsNeeds, plan_call
 from .engine.prepare import (
     Prepared,
@@ -92,6 +93,8 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         and wants_grad
         # class weights' mean divides the z-loss by the token count, the cross-entropy by the weights' sum
         and not (class_weight is not None and opts.z_loss and opts.reduction == "mean")
+        # data_parallel: each rank's loss has its own upstream gradient, known only in backward
+        and not (opts.shard is not None and opts.shard.data_parallel)
     )
     extra = (
         ("whether any of hidden/weight/bias requires grad", wants_grad),
@@ -112,12 +115,13 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     )
     rows, plan = plan_call(call)
     check_class_weight_length(class_weight, plan.vocab_size)  # every rank agreed on both in the handshake
+    targets, _ = all_targets(plan, rows.targets)  # data_parallel: every rank's (the rows scored here)
     cw = None
     if class_weight is not None:
-        valid = rows.targets != opts.ignore_index
+        valid = targets != opts.ignore_index
         cw = ClassWeights.of(
             class_weight,
-            rows.targets,
+            targets,
             valid,
             vocab_start=plan.vocab_start,
             v_local=weight.shape[0],
@@ -127,11 +131,13 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
         return FusedCrossEntropy.apply(rows.hidden, weight, bias, rows.targets, plan, opts, cw)
     # with class weights the z-loss is added from the returned lse (cross_entropy_result)
     rows_opts = opts if cw is None or not opts.z_loss else opts.replace(z_loss=0.0)
-    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, rows.targets, plan, rows_opts, cw)
+    loss_rows, lse, stats = CrossEntropyRows.apply(rows.hidden, weight, bias, targets, plan, rows_opts, cw)
     if compiling:
         loss_rows, lse = C.first_order(loss_rows, lse)
-    result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else cw.rows)
-    return _with_row_outputs(result, stats, rows, plan, opts)
+    loss_rows, lse = own_rows(plan, loss_rows, lse)  # data_parallel: this rank's rows (no-op otherwise)
+    own = plan.comm.own_rows
+    result = cross_entropy_result(loss_rows, lse, rows, opts, None if cw is None else own(cw.rows))
+    return _with_row_outputs(result, own(stats), rows, plan, opts)
 
 
 def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
@@ -145,10 +151,11 @@ def _logprobs(hidden, weight, targets, bias, opts: LogprobOptions):
     extra = (("whether any of hidden/weight/bias requires grad", any(grad_needs(hidden, weight, bias))),)
     call = Call("logprobs", opts, hidden, weight, targets, bias, extra=extra, needs=_needs(opts), compiling=compiling)
     rows, plan = plan_call(call)
-    lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, rows.targets, plan, opts)
+    lp, ent, stats = LogprobRows.apply(rows.hidden, weight, bias, all_targets(plan, rows.targets)[0], plan, opts)
     if compiling:
         lp, ent = C.first_order(lp, ent)
-    return _with_row_outputs(logprob_result(lp, ent, rows, opts), stats, rows, plan, opts)
+    lp, ent = own_rows(plan, lp, ent)  # data_parallel: this rank's rows (no-op otherwise)
+    return _with_row_outputs(logprob_result(lp, ent, rows, opts), plan.comm.own_rows(stats), rows, plan, opts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +310,9 @@ def linear_cross_entropy(
         softcap: Gemma-style logit soft-capping, or None.
         shift: position ``i`` predicts ``targets[..., i + shift]`` (True = 1); the last ``shift``
             positions are ignored. Only the targets are shifted (hidden is never copied).
-        shard: a :class:`VocabShard` for a vocab-parallel head, or None for one device.
+        shard: a :class:`VocabShard` for a vocab-parallel head, or None for one device. With
+            ``data_parallel=True`` (FSDP2) each rank passes its own ``hidden [n_r, ..., D]`` /
+            ``targets [n_r, ...]`` and gets the loss of its own tokens (docs/fsdp.md).
         impl: ``"auto"`` (triton for CUDA tensors when it imports, else torch), ``"torch"``,
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
         return_lse: also return the float32 per-token log-sum-exp (targets' shape).

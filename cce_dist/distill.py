@@ -12,6 +12,7 @@ import torch
 
 from .core.options import DistillationOptions, Divergence, Impl, Reduction
 from .core.shard import VocabShard
+from .engine.data_parallel import all_targets, own_rows
 from .engine.distill_autograd import DistillRows, FusedDistill
 from .engine.driver import Call, StatsNeeds, plan_call
 from .engine.prepare import grad_needs, reduce_loss
@@ -21,6 +22,7 @@ Tensor = torch.Tensor
 
 def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     fused = opts.reduction != "none" and opts.grad_in_forward is not False and any(grad_needs(sh, sw, sb))
+    fused = fused and not (opts.shard is not None and opts.shard.data_parallel)  # each rank's own upstream
 
     # what only distillation sends besides its options (the teacher's geometry follows from its validated rows)
     extra = (
@@ -32,11 +34,13 @@ def _distill(sh, sw, th, tw, targets, sb, tb, opts: DistillationOptions):
     call = Call("distillation", opts, sh, sw, targets, sb, StatsNeeds(), teacher=(th, tw, tb), extra=extra)
     rows, plan = plan_call(call)
     tw, tb = tw.detach(), None if tb is None else tb.detach()
-    args = (rows.hidden, sw, sb, rows.targets, rows.valid, rows.teacher_hidden, tw, tb, plan, opts)
+    targets_all, valid_all = all_targets(plan, rows.targets, rows.valid)  # data_parallel: every rank's
+    args = (rows.hidden, sw, sb, targets_all, valid_all, rows.teacher_hidden, tw, tb, plan, opts)
     if fused:  # every distillation pass forms the gradients in forward(row_grad=...)
         return FusedDistill.apply(*args)
     assert rows.valid is not None  # distillation's rows always carry it
-    return reduce_loss(DistillRows.apply(*args), rows.valid, opts.reduction, rows.shape)
+    (loss_rows,) = own_rows(plan, DistillRows.apply(*args))  # data_parallel: this rank's rows
+    return reduce_loss(loss_rows, rows.valid, opts.reduction, rows.shape)
 
 
 def linear_distillation(
@@ -95,7 +99,8 @@ def linear_distillation(
         reduction: ``"mean"`` over counted rows (0 when none), ``"sum"`` or ``"none"``.
         student_bias, teacher_bias: ``[V_local]`` or None.
         softcap: None, one number for both heads, or ``(student, teacher)``.
-        shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None.
+        shard: a :class:`VocabShard` describing both heads' vocab rows and the group, or None;
+            ``data_parallel=True``: each rank passes its own rows and gets its own loss (docs/fsdp.md).
         impl: ``"auto"`` (the torch implementation), ``"torch"`` (any device) or ``"triton"`` (the Triton
             kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; all tokens in one pass,
             so ``chunk_size`` does not apply).

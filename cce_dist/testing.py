@@ -33,9 +33,11 @@ COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "_all_gather_base",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "_reduce_scatter_base",
     "broadcast",
     "reduce",
@@ -56,9 +58,11 @@ COLLECTIVES = (
 _OUT_IN = {
     "all_gather": (("tensor_list",), ("tensor",)),
     "all_gather_into_tensor": (("output_tensor",), ("input_tensor",)),
+    "all_gather_single": (("output_tensor",), ("input_tensor",)),  # torch >= 2.13 (FSDP2's all-gather)
     "_all_gather_base": (("output_tensor",), ("input_tensor",)),
     "reduce_scatter": (("output",), ("input_list",)),
     "reduce_scatter_tensor": (("output",), ("input",)),
+    "reduce_scatter_single": (("output",), ("input",)),  # torch >= 2.13 (FSDP2's reduce-scatter)
     "_reduce_scatter_base": (("output",), ("input",)),
     "all_to_all_single": (("output",), ("input",)),
     "all_to_all": (("output_tensor_list",), ("input_tensor_list",)),
@@ -106,7 +110,15 @@ def _record(name: str, args: tuple, kwargs: dict) -> Collective:
     else:  # one tensor, in and out
         out = inp = arg(0, ("tensor",))
     op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
-    if op is None and name in ("reduce", "reduce_scatter", "reduce_scatter_tensor", "all_reduce"):
+    if op is None and name == "reduce_scatter_single" and len(args) > 2:
+        op = args[2]
+    if op is None and name in (
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_reduce",
+    ):
         op = "SUM"  # the default of every reducing collective
     t = _first_tensor(inp)
     return Collective(

@@ -35,7 +35,7 @@ TESTS = Path(__file__).parent
 LAYERS = ("core", "kernels", "impl", "tp", "engine")
 TOP = "top"
 #: the modules the top level holds: the public API and the integrations
-PUBLIC = {"__init__", "api", "distill", "hf", "trl", "megatron", "testing"}
+PUBLIC = {"__init__", "api", "distill", "fsdp", "hf", "trl", "megatron", "testing"}
 PUBLIC |= {"hf_heads"}  # cce_dist.hf's family knowledge (how models scale / cap their logits), split out of hf.py
 #: documented old paths (README, docs/, benchmarks/README.md), kept as re-exports of where the code lives now
 SHIMS = {"parallel": "tp", "options": "core", "backend": "core", "runtime": "core"}

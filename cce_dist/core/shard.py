@@ -6,6 +6,7 @@ handshake and the collectives that run over its group are :mod:`cce_dist.tp.coll
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Literal
@@ -52,6 +53,24 @@ class VocabShard:
     stats_collective    "auto" | "allreduce" | "allgather": how forward combines statistics
     check               run the handshake (one tiny all-gather) that turns a bad input on one
                         rank, or disagreeing ranks, into an error on every rank instead of a hang
+    data_parallel       the group is a *data-parallel* one (FSDP2's mesh: the head's weight is
+                        ``Shard(0)`` there, as FSDP2 shards it) and each rank passes its OWN tokens,
+                        ``hidden [n_r, ..., D]`` / ``targets [n_r, ...]``, any ``n_r`` per rank (0 too).
+                        The hidden states and targets of the group are all-gathered inside (in rank
+                        order), scored on this rank's vocab rows, and the row statistics combined as
+                        in tensor parallelism. Each rank gets the loss (logprobs, ...) of its own
+                        tokens with the requested reduction, and dH of its own tokens (dH is
+                        reduce-scattered back to its owner). The weight / bias gradient of this
+                        shard is the sum over the ranks of the gradient of each rank's own loss,
+                        divided by ``grad_divide_factor``: what FSDP2's reduce-scatter gives a
+                        ``Shard(0)`` parameter. Needs ``sequence_parallel=False`` and
+                        ``reduce_hidden_grad=True``. A scalar loss runs the two-pass schedule (the
+                        ranks' upstream gradients differ, so none can be applied in forward).
+                        See docs/fsdp.md.
+    grad_divide_factor  data_parallel only: the weight and bias gradients are divided by it (None =
+                        the group size: FSDP2's default mean over the data-parallel ranks; set it as
+                        you set ``FSDPModule.set_gradient_divide_factor``, e.g. 1.0 for a sum). dH is
+                        never divided: it is the gradient of this rank's own loss.
     """
 
     group: dist.ProcessGroup | None
@@ -61,6 +80,8 @@ class VocabShard:
     reduce_hidden_grad: bool = True
     stats_collective: StatsCollective = "auto"
     check: bool = True
+    data_parallel: bool = False
+    grad_divide_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("start", "stop"):
@@ -82,6 +103,40 @@ class VocabShard:
             )
         if self.group is None and self.start != 0:
             raise ValueError("VocabShard with group=None is a single device: start must be 0")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """The data-parallel fields: local checks, identical on every rank that passes the same fields."""
+        if not isinstance(self.data_parallel, bool):
+            raise TypeError(f"VocabShard.data_parallel must be a bool, got {self.data_parallel!r}")
+        f = self.grad_divide_factor
+        if f is not None:
+            if not self.data_parallel:
+                raise ValueError(
+                    "VocabShard.grad_divide_factor applies to data_parallel=True only (a tensor-parallel head's "
+                    "weight gradient is never reduced over ranks); pass data_parallel=True or leave it None"
+                )
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (math.isfinite(f) and f > 0):
+                raise ValueError(f"VocabShard.grad_divide_factor must be a finite number > 0 or None, got {f!r}")
+            object.__setattr__(self, "grad_divide_factor", float(f))
+        if self.data_parallel and self.sequence_parallel:
+            raise ValueError(
+                "VocabShard: data_parallel=True and sequence_parallel=True exclude each other (under data_parallel "
+                "each rank passes its own tokens, in any number; sequence_parallel splits one batch evenly)"
+            )
+        if self.data_parallel and not self.reduce_hidden_grad:
+            raise ValueError(
+                "VocabShard: data_parallel=True requires reduce_hidden_grad=True (the hidden states of the group "
+                "are gathered inside, so dH must be reduce-scattered back to the rank that owns each token)"
+            )
+
+    @property
+    def divide_factor(self) -> float:
+        """What the weight and bias gradients are divided by: ``grad_divide_factor``, or the group size under
+        ``data_parallel`` (FSDP2's mean); 1 for a tensor-parallel shard."""
+        if not self.data_parallel:
+            return 1.0
+        return self.grad_divide_factor if self.grad_divide_factor is not None else float(self.world_size)
 
     # The group is a process-local handle (it cannot be pickled): copies share it by reference, as torch's DeviceMesh
     # does, so `copy.deepcopy(model)` (a reference model in RL) works and its loss runs on the same group.

@@ -148,10 +148,11 @@ def _backward_grads(
 
 def finish_grads(comm: Comm, dh, dw, db, hidden_dtype: torch.dtype, weight, bias):
     """``(d_hidden, d_weight, d_bias)`` as returned to autograd: ``dh`` reduced over the group (the
-    sequence-parallel reduce-scatter or the tensor-parallel all-reduce) and each gradient (or ``None``) cast to its
-    tensor's dtype."""
+    sequence-parallel reduce-scatter or the tensor-parallel all-reduce), ``dw`` / ``db`` divided by a data-parallel
+    shard's factor, and each gradient (or ``None``) cast to its tensor's dtype."""
     if dh is not None:
         dh = comm.reduce_hidden_grad(dh).to(hidden_dtype)
+    dw, db = comm.param_grad(dw), comm.param_grad(db)
     return (
         dh,
         None if dw is None else dw.to(weight.dtype),

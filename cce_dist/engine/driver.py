@@ -31,7 +31,7 @@ from ..core.backend import Backend
 from ..core.options import CommonOptions, CrossEntropyOptions, DistillationOptions, LossOptions, handshake_options
 from ..core.shard import VocabShard
 from ..impl import backends, torch_cross_entropy
-from ..tp.collectives import Comm, Layout, handshake, released, values_checksum
+from ..tp.collectives import Comm, Layout, data_parallel_layout, handshake, released, values_checksum
 from .autograd import Plan
 from .prepare import (
     Prepared,
@@ -256,8 +256,12 @@ def _exchange(
 
 
 def _cheap_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Layout:
-    """check=False: learn only the global vocab and the largest shard (one tiny all-reduce)."""
+    """check=False: learn only the global vocab and the largest shard (one tiny all-reduce; data_parallel: the
+    token counts too, one tiny all-gather)."""
     import torch.distributed as dist
+
+    if shard.data_parallel:
+        return data_parallel_layout(shard, n_tokens, device)
 
     buf = torch.tensor([shard.stop, shard.local_size], dtype=torch.int64, device=device)
     with released([buf]):  # see tp.collectives.released: the worker thread must not outlive the call with it

@@ -15,6 +15,13 @@ Per call, on a group of ``P`` ranks:
    (see ``AUTO_ALLGATHER_MAX_ROWS_X_RANKS``).
 3. backward: dW and db stay local; the partial dH is all-reduced (reduce-scattered under sequence
    parallelism) exactly once, or left to the caller's layer (``reduce_hidden_grad=False``).
+
+Under ``VocabShard.data_parallel`` (an FSDP2 mesh whose ranks hold vocab shards and their own tokens, any number per
+rank) the handshake exchanges the token counts instead of comparing them (and skips the target checksum: targets
+differ by rank), :meth:`Comm.gather_tokens` / :meth:`Comm.gather_rows` all-gather the ranks' rows padded to the
+largest count (:func:`gather_rows`), :meth:`Comm.reduce_hidden_grad` reduce-scatters dH back to the owners
+(:func:`reduce_scatter_rows`), and :meth:`Comm.param_grad` divides the weight and bias gradients by the shard's
+divide factor (docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -101,9 +108,10 @@ class Layout:
     """What every rank agreed on: the global vocab, the token count, the largest shard."""
 
     vocab_size: int
-    n_tokens: int
+    n_tokens: int  # the rows every rank scores: under data_parallel, the sum of ``counts``
     max_local: int
     bounds: tuple[tuple[int, int], ...] | None = None  # every rank's [start, stop), if exchanged
+    counts: tuple[int, ...] | None = None  # data_parallel: every rank's own token count, in rank order
 
 
 def fingerprint(*values) -> int:
@@ -198,7 +206,10 @@ def handshake(
     since a later one often follows from an earlier (a head sharded over the wrong group also sees other targets).
     """
     world = shard.world_size
-    slots = _option_slots(options)
+    # the data-parallel fields are compared like options, so ranks that disagree on the mode raise together
+    slots = _option_slots(
+        tuple(options) + (("data_parallel", shard.data_parallel), ("grad_divide_factor", shard.grad_divide_factor))
+    )
     info = torch.zeros(_FIELDS, dtype=torch.int64)
     info[_OK] = 0 if error is not None else 1
     if error is None:
@@ -245,9 +256,75 @@ def handshake(
     tmax = int(rows[:, _TMAX].max())
     if tmax >= vocab_size:
         raise InputError(f"targets contain id {tmax}, outside the vocabulary [0, {vocab_size}) of the group")
+    max_local = max(b - a for a, b in bounds)
+    if shard.data_parallel:
+        counts = tuple(int(n) for n in rows[:, _N].tolist())
+        return Layout(vocab_size=vocab_size, n_tokens=sum(counts), max_local=max_local, bounds=bounds, counts=counts)
+    return Layout(vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max_local, bounds=bounds)
+
+
+def data_parallel_layout(shard: VocabShard, n_tokens: int, device: torch.device) -> Layout:
+    """``check=False`` under ``data_parallel``: the ranks' token counts (they decide the gather sizes), the global
+    vocab and the largest shard, from one all-gather of three int64 per rank (no checks)."""
+    buf = torch.tensor([shard.stop, shard.local_size, n_tokens], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(buf) for _ in range(shard.world_size)]
+    with released([buf, *gathered]):
+        dist.all_gather(gathered, buf, group=shard.group)
+    rows = torch.stack(gathered).cpu().tolist()
+    counts = tuple(int(r[2]) for r in rows)
     return Layout(
-        vocab_size=vocab_size, n_tokens=int(rows[0, _N]), max_local=max(b - a for a, b in bounds), bounds=bounds
+        vocab_size=max(r[0] for r in rows), n_tokens=sum(counts), max_local=max(r[1] for r in rows), counts=counts
     )
+
+
+def gather_rows(local: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
+    """Every rank's ``[counts[r], ...]`` rows, in rank order: ``[sum(counts), ...]``.
+
+    One all-gather of ``[max(counts), ...]`` per rank (gloo's all-gather takes equal sizes only): this rank's rows,
+    zero-padded. ``counts`` must be the same on every rank (the handshake's); none is issued when all are 0."""
+    world, m = len(counts), max(counts)
+    rest = tuple(local.shape[1:])
+    if m == 0:
+        return local.new_empty((0,) + rest)
+    if local.shape[0] == m:
+        src = local.contiguous()
+    else:
+        src = local.new_zeros((m,) + rest)
+        src[: local.shape[0]] = local
+    out = local.new_empty((world, m) + rest)
+    parts = list(out.unbind(0))
+    with released([src, *parts]):
+        dist.all_gather(parts, src, group=group)
+    if all(n == m for n in counts):
+        return out.reshape((world * m,) + rest)
+    return torch.cat([out[r, :n] for r, n in enumerate(counts)])
+
+
+def reduce_scatter_rows(full: torch.Tensor, counts: Sequence[int], rank: int, group) -> torch.Tensor:
+    """The inverse of :func:`gather_rows` for gradients: ``full [sum(counts), ...]`` summed over the ranks, and this
+    rank's ``[counts[rank], ...]`` rows of the sum. gloo (no reduce-scatter): one all-reduce of ``full``, then the
+    slice; other backends: one reduce-scatter of the rows padded to ``[P, max(counts), ...]``. ``full`` may be
+    overwritten."""
+    world, m = len(counts), max(counts)
+    rest = tuple(full.shape[1:])
+    start = sum(counts[:rank])
+    if m == 0:
+        return full.new_empty((0,) + rest)
+    if dist.get_backend(group) == "gloo":
+        with released([full]):
+            dist.all_reduce(full, group=group)
+        return full[start : start + counts[rank]].clone()
+    if all(n == m for n in counts):
+        padded = full.contiguous()
+    else:
+        padded = full.new_zeros((world * m,) + rest)
+        for r, n in enumerate(counts):
+            a = sum(counts[:r])
+            padded[r * m : r * m + n] = full[a : a + n]
+    out = full.new_empty((m,) + rest)
+    with released([out, padded]):
+        dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[: counts[rank]]
 
 
 def _by_value(vals: list) -> str:
@@ -286,7 +363,8 @@ def _disagreements(rows: torch.Tensor, slots: list[tuple[str, object]], shard: V
         if out:
             return out
     plain(_D, "the hidden size (hidden.shape[-1] = weight.shape[1], the weight's shape per rank)")
-    plain(_N, "the number of tokens (hidden/targets)")
+    if not shard.data_parallel:  # data-parallel ranks hold their own tokens: the counts may differ
+        plain(_N, "the number of tokens (hidden/targets)")
     if shard.sequence_parallel:
         plain(_NLOC, "the number of local tokens under sequence parallelism")
     for i in range(len(slots)):
@@ -296,6 +374,8 @@ def _disagreements(rows: torch.Tensor, slots: list[tuple[str, object]], shard: V
         len(set(rows[:, _OPT0 + i].tolist())) > 1 for i in range(len(slots))
     ):  # ranks that name different options (cannot happen within one entry point): the combined fingerprint
         out.append(("the loss options", f"{prefix} the loss options: {_by_value(rows[:, _FP].tolist())}"))
+    if shard.data_parallel:  # their own targets too (each rank's ids were range-checked: _TMAX)
+        return out
     if len(set(rows[:, _CK].tolist())) > 1 or len(set(rows[:, _CK2].tolist())) > 1:
         out.append(
             (
@@ -371,6 +451,15 @@ class Comm:
         self.active = self.world > 1
         self.method = "allreduce" if shard is None else shard.stats_collective
         self.layout = layout
+        #: data_parallel: every rank's own token count (the layout's), when the group has more than one rank
+        self.counts = layout.counts if (self.active and layout is not None and shard is not None) else None
+        if self.active and shard is not None and shard.data_parallel and self.counts is None:
+            raise ValueError("cce_dist: a data_parallel shard needs the ranks' token counts (the handshake's layout)")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the ranks hold their own tokens (``VocabShard.data_parallel``), on any group size."""
+        return self.shard is not None and self.shard.data_parallel
 
     @property
     def group(self):
@@ -429,8 +518,33 @@ class Comm:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """data_parallel: every rank's own rows ``[n_r, ...]`` in rank order, ``[N, ...]`` (:func:`gather_rows`);
+        otherwise (and on one rank) ``rows`` itself. Used for hidden states, target ids and upstream gradients."""
+        if self.counts is None:
+            return rows
+        return gather_rows(rows, self.counts, self.group)
+
+    def own_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """data_parallel: this rank's own rows of a per-row tensor over the gathered tokens (a view); else all."""
+        if self.counts is None or self.shard is None:
+            return rows
+        start = sum(self.counts[: self.shard.rank])
+        return rows[start : start + self.counts[self.shard.rank]]
+
+    def param_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A weight / bias gradient of this shard, divided by the shard's ``divide_factor`` under data_parallel
+        (FSDP2's mean over the ranks by default), in its accumulator dtype, before it is rounded to the tensor's."""
+        if grad is None or self.shard is None or not self.shard.data_parallel:
+            return grad
+        factor = self.shard.divide_factor
+        return grad if factor == 1.0 else grad / factor
+
     def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Sequence parallelism: all-gather ``[n/P, ...]`` along dim 0 into ``[n, ...]``."""
+        """Sequence parallelism: all-gather ``[n/P, ...]`` along dim 0 into ``[n, ...]``; data parallelism: every
+        rank's own ``[n_r, ...]`` into ``[sum n_r, ...]`` (:meth:`gather_rows`)."""
+        if self.counts is not None:
+            return self.gather_rows(hidden)
         shard = self._group_shard()
         if shard is None or not shard.sequence_parallel:
             return hidden
@@ -442,17 +556,22 @@ class Comm:
 
     def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The part of a per-row tensor over all (gathered) tokens that matches the rows of
-        :meth:`reduce_hidden_grad`'s result: this rank's slice under sequence parallelism, else all."""
+        :meth:`reduce_hidden_grad`'s result: this rank's slice under sequence (or data) parallelism, else all."""
+        if self.counts is not None:
+            return self.own_rows(rows)
         shard = self._group_shard()
         if shard is None or not shard.sequence_parallel:
             return rows
         return rows.chunk(self.world, 0)[shard.rank]
 
     def reduce_hidden_grad(self, dh: torch.Tensor) -> torch.Tensor:
-        """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel) or none."""
+        """Reduce the partial dH once: all-reduce, reduce-scatter (sequence parallel; data parallel: uneven, back to
+        each token's owner, :func:`reduce_scatter_rows`) or none."""
         shard = self._group_shard()
         if shard is None or not shard.reduce_hidden_grad:
             return dh
+        if self.counts is not None:
+            return reduce_scatter_rows(dh, self.counts, shard.rank, self.group)
         if shard.sequence_parallel:
             parts = list(dh.chunk(self.world, 0))
             out = torch.empty_like(parts[0])

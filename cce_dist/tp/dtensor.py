@@ -21,6 +21,13 @@ Anything else (``Partial``, ``Shard(1)`` weights, multi-dimensional meshes, mesh
 between arguments) raises a ``ValueError`` naming the argument. A ``shard=`` passed together with
 a sharded DTensor weight must describe the same rows; its other fields (``stats_collective``,
 ``check``, ...) are kept, so they can still be tuned.
+
+**Data-parallel heads (FSDP2).** Read without ``shard=``, a ``Shard(0)`` weight is tensor-parallel: every rank of its
+mesh scores the same tokens. A head sharded over a *data-parallel* mesh, whose ranks score their own tokens, is
+passed with ``shard=data_parallel_shard(weight)`` (a :class:`VocabShard` with ``data_parallel=True`` describing the
+weight's rows and mesh, :func:`data_parallel_shard`); then ``hidden`` and ``targets`` must be plain tensors (this
+rank's own tokens). A weight that :func:`cce_dist.fsdp.shard_lm_head` distributed is marked as data-parallel
+(:data:`DATA_PARALLEL_MARK`): passed without such a shard, it raises instead of being read as tensor-parallel.
 """
 
 from __future__ import annotations
@@ -30,7 +37,12 @@ from typing import Any
 from ..core.options import CommonOptions
 from ..core.shard import VocabShard
 
-__all__ = ["from_dtensor"]
+__all__ = ["DATA_PARALLEL_MARK", "data_parallel_shard", "from_dtensor"]
+
+#: the attribute :func:`cce_dist.fsdp.shard_lm_head` sets on a head's ``Shard(0)`` weight (and bias) parameter: its
+#: ``grad_divide_factor`` (None = the group size). Such a weight is data-parallel: read without a data-parallel
+#: ``shard=`` it raises, never silently as tensor-parallel.
+DATA_PARALLEL_MARK = "_cce_dist_data_parallel"
 
 
 def _types():
@@ -53,7 +65,7 @@ def _placement_str(t) -> str:
     return "(" + ", ".join(str(p) for p in t.placements) + ")"
 
 
-def _weight_shard(weight, opts: CommonOptions):
+def _weight_shard(weight, opts: CommonOptions | None):
     """(local weight, VocabShard or None) of a DTensor weight."""
     DTensor, Partial, Replicate, Shard = _types()
     mesh = _mesh_1d("weight", weight)
@@ -77,6 +89,66 @@ def _same_mesh(name: str, t, mesh) -> None:
         raise ValueError(f"cce_dist: {name} is a DTensor on a different device mesh than weight")
 
 
+def data_parallel_shard(
+    weight: Any, *, grad_divide_factor: float | None = None, stats_collective: Any = "auto", check: bool = True
+) -> VocabShard:
+    """The :class:`VocabShard` (``data_parallel=True``) of a ``Shard(0)`` DTensor weight on a 1-D data-parallel
+    mesh (FSDP2's placement of a ``[V, D]`` head): its mesh's group and this rank's rows ``[start, stop)`` (DTensor's
+    ``torch.chunk`` split, possibly uneven or empty). Pass it as ``shard=`` beside the DTensor weight, each rank with
+    its own tokens; the other fields as in :class:`VocabShard`. Raises ValueError naming ``weight`` for anything
+    else."""
+    DTensor = _types()[0]
+    if not isinstance(weight, DTensor):
+        raise ValueError(
+            f"cce_dist: data_parallel_shard(weight) needs a Shard(0) DTensor weight, got {type(weight).__name__}; for "
+            "a plain local shard build VocabShard(group, start, stop, data_parallel=True)"
+        )
+    _, info, _ = _weight_shard(weight, None)
+    if info is None:
+        raise ValueError(
+            f"cce_dist: data_parallel_shard(weight): weight has placements {_placement_str(weight)}; a "
+            "data-parallel vocab shard needs Shard(0)"
+        )
+    group, start, stop = info
+    return VocabShard(
+        group,
+        start,
+        stop,
+        stats_collective=stats_collective,
+        check=check,
+        data_parallel=True,
+        grad_divide_factor=grad_divide_factor,
+    )
+
+
+def _check_data_parallel(hidden, targets, marked: bool, given: VocabShard | None, group) -> None:
+    """What a data-parallel shard needs of the DTensor arguments (local checks, the same on every rank); ``marked``:
+    the weight carries :data:`DATA_PARALLEL_MARK`."""
+    DTensor = _types()[0]
+    if given is None or not given.data_parallel:
+        if marked:
+            raise ValueError(
+                "cce_dist: weight is a head that cce_dist.fsdp.shard_lm_head sharded over a data-parallel mesh (each "
+                "rank scores its own tokens); pass shard=cce_dist.fsdp.head_shard(head) (data_parallel=True), not "
+                f"{'no shard' if given is None else 'a tensor-parallel shard'}: read as tensor-parallel it would "
+                "need identical tokens on every rank"
+            )
+        return
+    for name, t in (("hidden", hidden), ("targets", targets)):
+        if isinstance(t, DTensor):
+            raise ValueError(
+                f"cce_dist: {name} is a DTensor but shard.data_parallel=True: pass this rank's own tokens as a plain "
+                f"tensor ({name}.to_local())"
+            )
+    import torch.distributed as dist
+
+    if given.group is None or dist.get_process_group_ranks(given.group) != dist.get_process_group_ranks(group):
+        raise ValueError(
+            "cce_dist: shard=VocabShard(data_parallel=True) names another process group than the DTensor weight's "
+            "mesh; build it with cce_dist.fsdp.head_shard(head) or data_parallel_shard(weight)"
+        )
+
+
 def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
     """Translate DTensor arguments into local tensors and options with the derived ``shard``.
 
@@ -86,7 +158,9 @@ def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
     mesh = None
     shard_info = None
     if isinstance(weight, DTensor):
+        marked = hasattr(weight, DATA_PARALLEL_MARK)
         weight, shard_info, mesh = _weight_shard(weight, opts)
+        _check_data_parallel(hidden, targets, marked, opts.shard, mesh.get_group())
 
     if isinstance(bias, DTensor):
         _mesh_1d("bias", bias)
