@@ -76,6 +76,21 @@ def _integrations(hidden, weight, targets, bias, opts):
     return hidden, weight, targets, bias, opts
 
 
+def _gradients_in_forward(opts: CrossEntropyOptions, class_weight) -> bool:
+    """Whether a cross-entropy that needs gradients forms them in forward (the fused schedule, where the backend has
+    one): a scalar loss with no other output, unless ``grad_in_forward=False``."""
+    return (
+        opts.reduction != "none"
+        and not opts.return_lse
+        and not opts.row_outputs
+        and opts.grad_in_forward is not False
+        # class weights' mean divides the z-loss by the token count, the cross-entropy by the weights' sum
+        and not (class_weight is not None and opts.z_loss and opts.reduction == "mean")
+        # data_parallel: each rank's loss has its own upstream gradient, known only in backward
+        and not (opts.shard is not None and opts.shard.data_parallel)
+    )
+
+
 def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, class_weight=None):
     compiling = _through_ops(hidden)
     if compiling:
@@ -85,17 +100,7 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     else:
         hidden, weight, targets, bias, opts = _integrations(hidden, weight, targets, bias, opts)
     wants_grad = any(grad_needs(hidden, weight, bias))
-    fused = (
-        opts.reduction != "none"
-        and not opts.return_lse
-        and not opts.row_outputs
-        and opts.grad_in_forward is not False
-        and wants_grad
-        # class weights' mean divides the z-loss by the token count, the cross-entropy by the weights' sum
-        and not (class_weight is not None and opts.z_loss and opts.reduction == "mean")
-        # data_parallel: each rank's loss has its own upstream gradient, known only in backward
-        and not (opts.shard is not None and opts.shard.data_parallel)
-    )
+    fused = wants_grad and _gradients_in_forward(opts, class_weight)
     extra = (
         ("whether any of hidden/weight/bias requires grad", wants_grad),
         ("grad_in_forward (in effect)", fused),
@@ -118,11 +123,10 @@ def _cross_entropy(hidden, weight, targets, bias, opts: CrossEntropyOptions, cla
     targets, _ = all_targets(plan, rows.targets)  # data_parallel: every rank's (the rows scored here)
     cw = None
     if class_weight is not None:
-        valid = targets != opts.ignore_index
         cw = ClassWeights.of(
             class_weight,
             targets,
-            valid,
+            targets != opts.ignore_index,
             vocab_start=plan.vocab_start,
             v_local=weight.shape[0],
             label_smoothing=opts.label_smoothing,
