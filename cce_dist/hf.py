@@ -26,6 +26,10 @@ never a silently different loss. The loss reproduces ``ForCausalLMLoss``:
   divided by it, otherwise the mean over non-ignored tokens (0, not NaN, when a batch has no valid token);
 - tied embeddings need nothing special: the head's weight *is* the embedding matrix.
 
+A head that :func:`cce_dist.fsdp.shard_lm_head` distributed over FSDP2's data-parallel mesh is scored in place
+(``shard=cce_dist.fsdp.head_shard(head)``: each rank's own tokens on the group's vocab shards, FSDP2's gradient for
+the head's rows, no ``V x D`` gather; docs/fsdp.md); every other head runs as before.
+
 When the patched path runs the output's ``logits`` is ``None``. Otherwise the original forward runs unchanged and
 returns logits: no labels, ``logits_to_keep`` other than 0, or eval mode with ``eval_logits=True`` (the default, so
 ``Trainer.evaluate`` / ``compute_metrics`` still see logits). ``fused_lm_head=True`` calls (TRL's fused head,
@@ -52,6 +56,7 @@ from torch import nn
 from . import hf_heads
 from .api import linear_cross_entropy
 from .core.options import CrossEntropyOptions
+from .fsdp import head_shard
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "TESTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
 
@@ -217,6 +222,7 @@ class _CceLoss:
             reduction="mean" if num_items_in_batch is None else "sum",
             softcap=transform.softcap,
             shift=shift,
+            shard=head_shard(weight),  # a head cce_dist.fsdp.shard_lm_head sharded: scored where it lies (else None)
             **state.options,
         )
         if num_items_in_batch is not None:

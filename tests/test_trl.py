@@ -87,13 +87,17 @@ def test_patch_and_unpatch_restore_trls_kernel():
     import trl.trainer.distillation_trainer as distillation
 
     original_divergence = distillation.ChunkedDivergenceFunction
+    original_loss, original_dtensor = distillation._chunked_divergence_loss, utils.DTensor
     ct.patch()
     assert utils._ChunkedLogProbFunction is ct.CceLogProbs and ct.is_patched()
     assert distillation.ChunkedDivergenceFunction is ct.CceDivergence
+    assert distillation._chunked_divergence_loss is not original_loss
+    assert not isinstance(torch.zeros(2), utils.DTensor)  # TRL's isinstance check still works (DTensors: 2 ranks)
     ct.patch(tensor_parallel=True)  # again: replaces the setting
     ct.unpatch()
     assert utils._ChunkedLogProbFunction is original and not ct.is_patched()
     assert distillation.ChunkedDivergenceFunction is original_divergence
+    assert distillation._chunked_divergence_loss is original_loss and utils.DTensor is original_dtensor
     with pytest.raises(ValueError, match="not patched"):
         ct.unpatch()
 
