@@ -64,25 +64,26 @@ RAGGED_SPILL_BOUND = 512
 INTERPRETER_ONLY = {"USE_LIBDEVICE", "INTERP_BF16", "INTERP_S", "INTERP_T"}
 
 
-def _assert_every_flag_on_and_off(rows: list[dict], kernels: set[str]) -> None:
-    """Every kernel in ``kernels`` was compiled, each boolean constexpr (but the interpreter's) with both values, and
-    each integer-coded mode (``DIV``, ``CROSS``) with every value the launchers give it (``kernels.aot``'s ``each``
-    level promises this: it fails when the enumeration stops reaching a flag value)."""
+def _assert_every_flag_on_and_off(rows: list[dict], kernels: set[str], per_kernel: bool) -> None:
+    """Every kernel in ``kernels`` was compiled, each boolean constexpr (but the interpreter's) with both values (in
+    each kernel that takes it when ``per_kernel``, else in some kernel), and each integer-coded mode (``DIV``,
+    ``CROSS``) with every value the launchers give it (``kernels.aot``'s ``each`` level promises this: it fails when
+    the enumeration stops reaching a flag value)."""
     seen: dict[str, set] = {}
     for r in rows:
         for k, v in r["constexprs"].items():
-            seen.setdefault(k, set()).add(v)
+            seen.setdefault(f"{r['kernel']}.{k}" if per_kernel else k, set()).add(v)
     compiled = {r["kernel"] for r in rows}
     assert kernels <= compiled, f"never compiled: {sorted(kernels - compiled)}"
     one_sided = sorted(
         f"{k}={vals}"
         for k, vals in seen.items()
-        if k not in INTERPRETER_ONLY and vals <= {True, False} and len(vals) < 2
+        if k.split(".")[-1] not in INTERPRETER_ONLY and vals <= {True, False} and len(vals) < 2
     )
     assert not one_sided, f"flags compiled with one value only: {one_sided}"
     for k in ("DIV", "CROSS"):
-        if k in seen:
-            assert seen[k] == {0, 1, 2}, f"{k}: compiled {sorted(seen[k])}, the launchers produce 0, 1 and 2"
+        got = set().union(*(vals for key, vals in seen.items() if key.split(".")[-1] == k))
+        assert not got or got == {0, 1, 2}, f"{k}: compiled {sorted(got)}, the launchers produce 0, 1 and 2"
 
 
 def _compile(target: str, tmp_path: pathlib.Path, matrix: str = "main", triton: str = "newest") -> list[dict]:
@@ -109,7 +110,9 @@ def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path
     rows = _compile(target, tmp_path, triton=triton)
     assert len(rows) >= 15, f"matrix too small for {target}: {len(rows)}"  # sanity: not silently emptied
     _assert_every_flag_on_and_off(
-        rows, {"_row_stats_kernel", "_grads_fused_kernel", "_dz_store_kernel", "_grads_dh_kernel", "_grads_dw_kernel"}
+        rows,
+        {"_row_stats_kernel", "_grads_fused_kernel", "_dz_store_kernel", "_grads_dh_kernel", "_grads_dw_kernel"},
+        per_kernel=True,
     )
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
@@ -159,7 +162,7 @@ def test_distill_kernels_compile_within_limits(triton, target, tmp_path):
     rows = _compile(target, tmp_path, "distill", triton)
     assert len(rows) >= 20, [r["label"] for r in rows]  # sanity: not silently emptied
     kernels = {"_distill_stats_kernel", "_distill_rows_kernel", "_distill_grads_kernel"}
-    _assert_every_flag_on_and_off(rows, kernels | {"_distill_dh_kernel", "_distill_dw_kernel"})
+    _assert_every_flag_on_and_off(rows, kernels | {"_distill_dh_kernel", "_distill_dw_kernel"}, per_kernel=False)
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
     problems = []

@@ -476,6 +476,9 @@ class Family:
     shapes: tuple
     launch: Callable[[_config.DeviceProps, dict], list]
     values: tuple = ()  # (parameter, values) overriding AXIS_VALUES
+    #: ``each`` level: every constexpr value in every kernel (the cross-entropy: each schedule's kernels with every
+    #: flag on and off), or in some kernel (the distillation, whose kernels share their flags: CI's budget)
+    per_kernel: bool = True
 
     def axes(self) -> dict[str, tuple]:
         return {"mode": self.modes, "shape": self.shapes, **planner_axes(*self.planners, values=dict(self.values))}
@@ -491,6 +494,7 @@ FAMILIES = {
         tuple(DISTILL_SHAPES),
         _distill_row,
         (("softcap", DISTILL_SOFTCAPS),),
+        per_kernel=False,
     ),
 }
 #: ``--matrix`` names: which families.
@@ -606,7 +610,7 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
     ``pairs``: the strength-2 cover with its seeds, then a scan of the product at the paper shape adding the first
     flag set that reaches a config or a (kernel, constexpr, value) not reached yet. ``each``: a subset of those rows,
     chosen greedily, that still reaches every (axis, value), every config and every (kernel, constexpr, value) they
-    reach, with the ``heavy`` seed first."""
+    reach (``Family.per_kernel`` False: every (constexpr, value) in some kernel), with the ``heavy`` seed first."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     axes = family.axes()
@@ -636,8 +640,10 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
         return rows
 
     def reach(row: dict) -> set:
-        traits = {t if t[0] == "config" else ("kernel", t[0]) for t in _traits(launches(row))}
-        traits |= {("constexpr", *t[1:]) for t in _traits(launches(row)) if t[0] != "config"}
+        traits = _traits(launches(row))
+        if not family.per_kernel:  # each constexpr value in some kernel, rather than in each kernel
+            traits = {t if t[0] == "config" else ("kernel", t[0]) for t in traits}
+            traits |= {("constexpr", *t[1:]) for t in _traits(launches(row)) if t[0] != "config"}
         return traits | {("axis", n, v) for n, v in row.items()}
 
     heavy = _seeds(family, axes, "each")
