@@ -288,9 +288,13 @@ def forward_candidates(
             cands.insert(0, FwdConfig(128, 256, bd, num_warps=8, num_stages=3))
     else:
         # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
-        # the online-softmax epilogue spills; 64x128 over 8 warps does not.
+        # the online-softmax epilogue spills; 64x128 over 8 warps does not. TF32 takes 2 stages of its 16-wide
+        # chunks: with 3, ptxas held the lean epilogue (no SUM / ENTROPY) to 128 registers and spilled 8 B on sm_120
+        # (Triton 3.9, benchmarks/results/aot_spills.md).
         cands = [
-            FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
+            FwdConfig(64, 128, 32, num_warps=8, num_stages=3)
+            if dtype != torch.float32
+            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     if heavy and props.mma == "wgmma":
@@ -336,8 +340,8 @@ def backward_config(
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
-        if class_weights:
-            return BwdConfig(64, 32, 32, 32, group_n=8, num_warps=8, num_stages=2)
+        if class_weights:  # on mma.sync over 4 warps: 8 held it to 128 registers, 8 B spilled (sm_80, Triton 3.9)
+            return BwdConfig(64, 32, 32, 32, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
         return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
