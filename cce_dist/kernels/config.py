@@ -326,7 +326,8 @@ def backward_config(
     with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
     matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there).
     ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic dW kernel beside the softcap tiles
-    then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target).
+    then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target; over 4
+    warps on mma.sync, where the deterministic configs also take 16-wide gradient-product chunks).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks)."""
@@ -340,9 +341,13 @@ def backward_config(
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
-        if class_weights:  # on mma.sync over 4 warps: 8 held it to 128 registers, 8 B spilled (sm_80, Triton 3.9)
-            return BwdConfig(64, 32, 32, 32, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
-        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
+        # On mma.sync the gradient products go in 16-wide chunks: with 32, ptxas traded 8-24 B of spill for
+        # occupancy in the dH / dW kernels (TF32 on sm_80 / sm_120 with Triton 3.7 / 3.8; class weights on sm_80 with
+        # 3.8 / 3.9), and class weights run over 4 warps (8 held them to 128 registers: 8 B on sm_80 with 3.9).
+        d_out = 16 if props.mma == "mma" else 32
+        if class_weights:
+            return BwdConfig(64, 32, 32, d_out, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
+        return BwdConfig(64, 64, 32, d_out, group_n=8, num_warps=8, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
         cands = [

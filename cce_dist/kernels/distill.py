@@ -899,9 +899,10 @@ def distill_config(
     deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync).
     The spills these choices avoid: docs/design.md, "Distillation". ``compiler``: the Triton ``(major, minor)``
     that compiles the kernels (default: the installed one): Triton 3.6 held the TF32 gradient kernel on tcgen05 to
-    128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher), so there it gets 4 warps (199
-    registers, no spill) and the deterministic kernels on mma.sync 16-wide gradient chunks
-    (benchmarks/results/aot_spills.md)."""
+    128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher; 3.7: 16 B), so there (before 3.8) it
+    gets 16-wide gradient
+    chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels, which share the config,
+    spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
     if compiler is None:
@@ -913,8 +914,8 @@ def distill_config(
     c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic, compiler=compiler)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
-    if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 7):
-        c = dataclasses.replace(c, num_warps=4)
+    if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 8):
+        c = dataclasses.replace(c, block_d_out=16)
     return c
 
 
