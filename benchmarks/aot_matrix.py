@@ -129,15 +129,18 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict]) -> str:
         + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
         + ". No GPU: each launch is compiled with the Triton's own ptxas for the target "
         "(`cce_dist.kernels.aot`). Flag sets: "
-        + (
-            "every flag set the planners take (the product of their axes)."
-            if level == "full"
-            else "a covering set (`kernels.aot.LEVELS`): every pair of flag values (mode, shape, bias, softcap, "
+        + {
+            "full": "every flag set the planners take (the product of their axes).",
+            "pairs": "a covering set (`kernels.aot.LEVELS`): every pair of flag values (mode, shape, bias, softcap, "
             "temperature, statistics / row outputs, filtering, class weights, gradients wanted, deterministic, "
             "schedule, divergence, hard label) occurs in some compiled flag set, plus the plain and heavy flag sets "
-            "of each mode per schedule / divergence and every config the planners select; the launches are reduced "
-            "to distinct specializations (Triton's cache key)."
-        ),
+            "of each mode per schedule / divergence and every config the planners select.",
+            "each": "the covering subset CI compiles (`kernels.aot.LEVELS`): every value of every axis (mode, shape, "
+            "bias, softcap, temperature, statistics / row outputs, filtering, class weights, gradients wanted, "
+            "deterministic, schedule, divergence, hard label), every kernel, every constexpr value (in every "
+            "cross-entropy kernel), every config the planners select, and every feature on at once (bf16).",
+        }[level]
+        + " The launches are reduced to distinct specializations (Triton's cache key).",
         "",
         "Spill bounds (tests/test_aot_compile.py): 0 B for bf16 / fp16 / TF32 (and the TF32 teacher) at aligned "
         f"shapes; at most {FP32_IEEE_SPILL_BOUND} B for fp32 IEEE (FMA dot, no tensor cores); at most "
