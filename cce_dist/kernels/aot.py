@@ -421,8 +421,11 @@ SHAPES = {"paper": PAPER_SHAPE, "ragged": RAGGED_SHAPE, "rows": ROWS_SHAPE}
 DISTILL_SHAPES = {"paper": DISTILL_SHAPE, "ragged": DISTILL_RAGGED_SHAPE}
 #: The shapes :func:`flag_sets` scans the product at (not an axis): the paper shapes with a narrow vocab, so that
 #: the chunked schedule plans a few chunks instead of 250. Configs and constexprs do not depend on V.
-_SCAN = {"_scan": (PAPER_SHAPE[0], PAPER_SHAPE[1], 4096)}
+#: ``"rows"`` (a token count not a multiple of 16) is scanned too: it selects configs of its own.
+_SCAN = {"_scan": (PAPER_SHAPE[0], PAPER_SHAPE[1], 4096), "_scan_rows": (ROWS_SHAPE[0], ROWS_SHAPE[1], 4096)}
 _DISTILL_SCAN = {"_scan": (*DISTILL_SHAPE[:3], 4096)}
+#: The shape each scan shape stands for.
+_SCANNED = {"_scan": "paper", "_scan_rows": "rows"}
 
 
 def _fwd_row(props: _config.DeviceProps, row: dict) -> list:
@@ -607,10 +610,11 @@ def _traits(launches: list) -> set:
 def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[dict]:
     """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
 
-    ``pairs``: the strength-2 cover with its seeds, then a scan of the product at the paper shape adding the first
-    flag set that reaches a config or a (kernel, constexpr, value) not reached yet. ``each``: a subset of those rows,
-    chosen greedily, that still reaches every (axis, value), every config and every (kernel, constexpr, value) they
-    reach (``Family.per_kernel`` False: every (constexpr, value) in some kernel), with the ``heavy`` seed first."""
+    ``pairs``: the strength-2 cover with its seeds, then a scan of the product at the paper and rows shapes adding
+    the first flag set that reaches a config or a (kernel, constexpr, value) not reached yet. ``each``: a subset of
+    those rows, chosen greedily, that still reaches every (axis, value), every config and every (kernel, constexpr,
+    value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some kernel), with the ``heavy`` seed
+    first."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     axes = family.axes()
@@ -630,12 +634,15 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
         return [r for r in product if launches(r)]
     rows = cover(axes, 2, lambda r: bool(launches(r)), _seeds(family, axes, "pairs"))
     seen = set().union(*(_traits(launches(r)) for r in rows))
-    for r in product:
-        if r["shape"] == axes["shape"][0]:
-            new = _traits(launches({**r, "shape": "_scan"})) - seen
-            if new:
-                rows.append(r)
-                seen |= _traits(launches(r))
+    for scan, shape in _SCANNED.items():
+        if shape not in axes["shape"]:
+            continue
+        for r in product:
+            if r["shape"] == shape:
+                new = _traits(launches({**r, "shape": scan})) - seen
+                if new:
+                    rows.append(r)
+                    seen |= _traits(launches(r))
     if level == "pairs":
         return rows
 
