@@ -356,9 +356,10 @@ def backward_config(
         d = 16 if props.mma == "mma" and dtype == torch.float32 else 32
         if class_weights:
             return BwdConfig(64, 32, d, d_out, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
-        # bf16 / fp16 there over 4 warps: 8 held the dH kernel to 128 registers at a token count not a multiple of
-        # 16 and spilled 8 B (sm_120, Triton 3.9); TF32 keeps 8 (its 16-wide chunks fit 128)
-        warps = 4 if props.mma == "mma" and dtype != torch.float32 else 8
+        # bf16 / fp16 there over 4 warps with Triton 3.9: 8 held the dH kernel to 128 registers at a token count not a
+        # multiple of 16 and spilled 8 B (sm_120); before 3.9, 4 warps spilled 8-48 B in the filtering dH kernel
+        # (sm_80 / sm_86) and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128 registers).
+        warps = 4 if props.mma == "mma" and dtype != torch.float32 and compiler >= (3, 9) else 8
         return BwdConfig(64, 64, d, d_out, group_n=8, num_warps=warps, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
