@@ -8,13 +8,18 @@ star-expanded ``tl.constexpr`` tuples that 3.8 accepts), so both compile everyth
 
 For each target (sm_80, sm_86, sm_90, sm_100, sm_120; see ``kernels.config.KNOWN_DEVICES``) a
 subprocess with ``TRITON_INTERPRET`` unset (conftest sets it for the interpreter tests) runs
-``python -m cce_dist.kernels.aot``: it asks the launchers' own planners (``plan_row_stats`` / ``plan_grads``) for the
-launches they would make on that device (config selection from the device record, the autotune candidates,
-the launcher's argument handling on meta tensors of the CCE paper shape and of a ragged shape),
-and compiles each through the JIT launcher's specialization path with the target's backend
-(ptxas / ptxas-blackwell from the Triton wheel). The matrix covers bf16, fp16, fp32 with TF32 and
-fp32 IEEE, and the flag sets bias / softcap / temperature / filtering / deterministic (sampled;
-see ``kernels.aot.matrix``). Compiled kernels are cached (``~/.cache/cce_dist/aot`` or
+``python -m cce_dist.kernels.aot --level each``. The flag sets are enumerated from the launchers' own planners
+(``kernels.aot.planner_axes``: the parameters of ``plan_row_stats``, ``plan_grads`` and the distillation's
+``plan_*``, with the compute modes and shapes), not listed here; each is planned on meta tensors (config selection
+from the device record, the autotune candidates, the schedules) and the launches are reduced to distinct
+specializations, compiled through the JIT launcher's specialization path with the target's backend (ptxas /
+ptxas-blackwell from the Triton wheel). The whole product is far too large to compile in CI (about 2,000 distinct
+forward kernels alone per target), so CI compiles the ``each`` level, a deterministic covering subset
+(``kernels.aot.LEVELS``): every value of every axis (mode, shape, bias, softcap, temperature, statistics and row
+outputs, filtering, class weights, gradients wanted, deterministic, schedule, divergence, hard label), every kernel,
+every boolean constexpr on and off, every config the planners select, and every feature on at once (bf16).
+``python -m benchmarks.aot_matrix`` compiles the ``pairs`` (every pair of flag values) or ``full`` level for any
+Triton and writes benchmarks/results/aot_spills.md. Compiled kernels are cached (``~/.cache/cce_dist/aot`` or
 ``$CCE_DIST_AOT_CACHE``, keyed by Triton's kernel hash), so only changed kernels recompile.
 
 Asserted per compiled kernel:
@@ -55,13 +60,39 @@ FP32_IEEE_SPILL_BOUND = 256
 RAGGED_SPILL_BOUND = 512
 
 
+#: Constexprs that are constant on a GPU (interpreter-only switches): not expected to take both values.
+INTERPRETER_ONLY = {"USE_LIBDEVICE", "INTERP_BF16", "INTERP_S", "INTERP_T"}
+
+
+def _assert_every_flag_on_and_off(rows: list[dict], kernels: set[str], per_kernel: bool) -> None:
+    """Every kernel in ``kernels`` was compiled, each boolean constexpr (but the interpreter's) with both values (in
+    each kernel that takes it when ``per_kernel``, else in some kernel), and each integer-coded mode (``DIV``,
+    ``CROSS``) with every value the launchers give it (``kernels.aot``'s ``each`` level promises this: it fails when
+    the enumeration stops reaching a flag value)."""
+    seen: dict[str, set] = {}
+    for r in rows:
+        for k, v in r["constexprs"].items():
+            seen.setdefault(f"{r['kernel']}.{k}" if per_kernel else k, set()).add(v)
+    compiled = {r["kernel"] for r in rows}
+    assert kernels <= compiled, f"never compiled: {sorted(kernels - compiled)}"
+    one_sided = sorted(
+        f"{k}={vals}"
+        for k, vals in seen.items()
+        if k.split(".")[-1] not in INTERPRETER_ONLY and vals <= {True, False} and len(vals) < 2
+    )
+    assert not one_sided, f"flags compiled with one value only: {one_sided}"
+    for k in ("DIV", "CROSS"):
+        got = set().union(*(vals for key, vals in seen.items() if key.split(".")[-1] == k))
+        assert not got or got == {0, 1, 2}, f"{k}: compiled {sorted(got)}, the launchers produce 0, 1 and 2"
+
+
 def _compile(target: str, tmp_path: pathlib.Path, matrix: str = "main", triton: str = "newest") -> list[dict]:
     env = env_with(require_oldest() if triton == "oldest" else None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # the kernels set it explicitly; silences the 3.9 warning
     out = tmp_path / f"{target}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--json", str(out), "--jobs", "2"]
-        + ["--matrix", matrix],
+        + ["--matrix", matrix, "--level", "each"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -73,11 +104,16 @@ def _compile(target: str, tmp_path: pathlib.Path, matrix: str = "main", triton: 
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(1800)  # a cold cache compiles ~45 kernels per target (about a minute on 2 cores); warm: seconds
+@pytest.mark.timeout(1800)  # a cold cache compiles 20-30 kernels per target; warm: seconds
 @pytest.mark.parametrize("triton,target", CASES)
 def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path):
     rows = _compile(target, tmp_path, triton=triton)
-    assert len(rows) >= 25, f"matrix too small for {target}: {len(rows)}"  # sanity: not silently emptied
+    assert len(rows) >= 15, f"matrix too small for {target}: {len(rows)}"  # sanity: not silently emptied
+    _assert_every_flag_on_and_off(
+        rows,
+        {"_row_stats_kernel", "_grads_fused_kernel", "_dz_store_kernel", "_grads_dh_kernel", "_grads_dw_kernel"},
+        per_kernel=True,
+    )
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
     limit = LIMITS[target]
@@ -115,16 +151,18 @@ def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path
 DISTILL_SPILL_BOUND = 0
 
 
-@pytest.mark.timeout(1800)  # a cold cache compiles 19 kernels per target (about a minute on 2 cores); warm: seconds
+@pytest.mark.timeout(1800)  # a cold cache compiles about 21 kernels per target; warm: seconds
 @pytest.mark.parametrize("triton,target", CASES)
 def test_distill_kernels_compile_within_limits(triton, target, tmp_path):
-    """Every launch of ``linear_distillation(impl="triton")`` in ``kernels.aot.distill_matrix`` (statistics,
-    per-row sums, fused and deterministic gradients; bf16, bf16 + TF32 teacher, fp32 IEEE; every epilogue)
-    compiles for ``target`` with the config the launcher selects there, within its shared memory and the spill
-    bounds above, on tensor cores where the dtype has them. The registers / spills of each kernel are printed
-    (``pytest -s``)."""
+    """Every enumerated launch of ``linear_distillation(impl="triton")`` (``kernels.aot``'s ``distill`` family at
+    the ``each`` level: statistics, per-row sums, fused and deterministic gradients; bf16, fp16, bf16 + TF32 teacher,
+    TF32, fp32 IEEE; every divergence and epilogue flag on and off) compiles for ``target`` with the config the
+    launcher selects there, within its shared memory and the spill bounds above, on tensor cores where the dtype
+    has them. The registers / spills of each kernel are printed (``pytest -s``)."""
     rows = _compile(target, tmp_path, "distill", triton)
-    assert len(rows) == 19, [r["label"] for r in rows]  # sanity: 7 calls, 2 to 4 launches each (not silently emptied)
+    assert len(rows) >= 20, [r["label"] for r in rows]  # sanity: not silently emptied
+    kernels = {"_distill_stats_kernel", "_distill_rows_kernel", "_distill_grads_kernel"}
+    _assert_every_flag_on_and_off(rows, kernels | {"_distill_dh_kernel", "_distill_dw_kernel"}, per_kernel=False)
     failed = [f"{r['label']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
     problems = []
@@ -136,7 +174,9 @@ def test_distill_kernels_compile_within_limits(triton, target, tmp_path):
         if r["shared"] > LIMITS[target]:
             problems.append(f"{where}: shared {r['shared']} B > {LIMITS[target]} B")
         fp32 = r["label"].startswith("fp32/")
-        bound = FP32_IEEE_SPILL_BOUND if fp32 else DISTILL_SPILL_BOUND
+        bound = DISTILL_SPILL_BOUND
+        if fp32 or "/ragged/" in r["label"]:
+            bound = FP32_IEEE_SPILL_BOUND if fp32 else RAGGED_SPILL_BOUND
         if spill > bound:
             problems.append(f"{where}: spills {spill} B/thread > {bound}")
         if not fp32:
@@ -217,3 +257,51 @@ def test_splits_follow_the_launched_tile():
     assert C.pick_splits(8192, 256000, 64, 256, h100) == 1  # 128 programs already fill one wave
     assert C.pick_splits(65536, 256000, 128, 128, h100) == 1
     assert C.pick_splits(128, 1000, 128, 128, h100) == 1  # too few vocab tiles to split
+
+
+def test_flag_axes_come_from_the_planners_signatures():
+    """A flag added to a planner is enumerated without being listed: a bool keyword takes both values; a parameter
+    with no known values stops the enumeration (LookupError) instead of being silently left at its default. The
+    real planners' flags are all enumerated."""
+    from cce_dist.kernels import aot
+
+    def planner(hidden, bias, *, softcap, need_new_output=False, props=None, _blocks=None):
+        raise AssertionError("never called")
+
+    assert aot.planner_axes(planner) == {
+        "bias": (False, True),
+        "softcap": (None, 30.0),
+        "need_new_output": (False, True),
+    }
+
+    def unknown(hidden, *, window_size=None):
+        raise AssertionError("never called")
+
+    with pytest.raises(LookupError, match="window_size"):
+        aot.planner_axes(unknown)
+    bwd = aot.FAMILIES["bwd"].axes()
+    assert {"filter_eps", "gamma_weights", "_schedule", "deterministic", "need_bias"} <= set(bwd)
+    assert bwd["_schedule"] == ("chunked", "tiles", "owner")
+    assert {"need_argmax", "need_sumsq", "need_sum", "need_entropy"} <= set(aot.FAMILIES["fwd"].axes())
+    assert {"divergence", "hard", "bs", "bt", "deterministic"} <= set(aot.FAMILIES["distill"].axes())
+
+
+def test_cover_holds_every_pair_a_valid_flag_set_can_hold():
+    """``kernels.aot.cover`` at strength 2: every pair of (axis, value) that some valid flag set holds occurs in a
+    chosen flag set, no chosen flag set is invalid, and the pair no valid flag set holds is dropped."""
+    import itertools
+
+    from cce_dist.kernels import aot
+
+    axes = {"a": (False, True), "b": (False, True), "s": ("x", "y", "z"), "c": (None, 1.0)}
+
+    def valid(r):
+        return not (r["a"] and r["s"] == "y")  # like deterministic with the tiles schedule
+
+    rows = aot.cover(axes, 2, valid, seeds=[])
+    assert all(valid(r) for r in rows)
+    full = [dict(zip(axes, v)) for v in itertools.product(*axes.values())]
+    for n, m in itertools.combinations(axes, 2):
+        want = {(r[n], r[m]) for r in full if valid(r)}
+        assert want == {(r[n], r[m]) for r in rows}, (n, m)
+    assert len(rows) < len(full)

@@ -17,11 +17,15 @@ target, Triton version), so an unchanged kernel is never recompiled or re-inspec
 from __future__ import annotations
 
 import hashlib
+import inspect
+import itertools
 import json
 import os
+import random
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,8 +93,9 @@ def _resource_usage(cubin: bytes) -> dict:
     return {"registers": vals["REG"], "stack": vals["STACK"], "local": vals["LOCAL"], "static_shared": vals["SHARED"]}
 
 
-def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
-    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` as the JIT launcher would."""
+def _specialize(kernel, args: tuple, kwargs: dict, arch: int):
+    """``(src, target, options, signature, key)`` of ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>``: what the
+    JIT launcher would compile, and the key Triton's own cache gives it (source, backend, options, env)."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     kwargs = dict(kwargs)
@@ -99,8 +104,19 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     src = ASTSource(kernel, signature, constexprs, attrs)
-    # Same key Triton's own cache uses (source, backend, options, env): look before compiling.
     key = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars()).encode()).hexdigest()
+    return src, target, options, signature, key
+
+
+def launch_key(kernel, args: tuple, kwargs: dict, arch: int) -> str:
+    """Triton's cache key of the launch (no compile): two launches with one key compile to one kernel, which is
+    how the enumeration below counts distinct specializations."""
+    return _specialize(kernel, args, kwargs, arch)[-1]
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
+    """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` as the JIT launcher would."""
+    src, target, options, signature, key = _specialize(kernel, args, kwargs, arch)
     name = kernel.fn.__name__
     meta_path = cache_dir() / f"{name}-sm{arch}-r2-{key[:40]}.json"  # r2: record format
     if meta_path.exists():
@@ -209,11 +225,13 @@ def backward_launches(
     filter_eps=None,
     deterministic=False,
     tf32=True,
+    need_hidden=True,
+    need_weight=True,
     need_bias=True,
     schedule="tiles",
     class_weights=False,
 ):
-    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (all gradients needed;
+    """``[(kernel, grid, args, kwargs)]`` of one backward call on ``props`` (``need_*``: the gradients wanted;
     ``class_weights``: the GAMMA term weighed per vocab row, ``gamma_weights``).
 
     ``schedule``: the backward's ``_schedule`` ("tiles", "chunked", "owner"; the
@@ -234,8 +252,8 @@ def backward_launches(
         vocab_start=0,
         softcap=softcap,
         temperature=temperature,
-        need_hidden=True,
-        need_weight=True,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
         need_bias=need_bias,
         filter_eps=filter_eps,
         deterministic=deterministic,
@@ -264,74 +282,6 @@ DTYPES = [
     ("fp32", torch.float32, False),
 ]
 
-_FLAGS = {
-    "plain": dict(),
-    "bias+softcap+temp": dict(bias=True, softcap=30.0, temperature=0.7),
-    "filter": dict(filter_eps=2.0**-12),
-    "filter+softcap+bias": dict(bias=True, softcap=30.0, filter_eps=2.0**-12),
-    "class-weights+softcap+bias": dict(bias=True, softcap=30.0, class_weights=True),
-}
-
-
-def matrix(props: _config.DeviceProps):
-    """The launches the AOT test compiles for ``props``: ``[(label, kernel, args, kwargs)]``.
-
-    At the paper shape: every forward candidate and every backward config the library can select
-    on ``props`` for each dtype mode (bf16, fp16, fp32 with TF32, fp32 IEEE); the flag sets are
-    sampled so that each selectable config and each kernel appears (the forward with all five statistics; bf16
-    also without SUM / ENTROPY, the plain cross-entropy's; bf16 and TF32 with the row outputs' ARGMAX and SUMSQ
-    too); bf16 gets all five backward
-    flag sets fused and three deterministic (plain, the heaviest, class weights), TF32 the plain, the heaviest and
-    class weights, fp16 (bf16's configs) and IEEE fp32 one each; the chunked schedule's dz kernel for bf16 (plain,
-    the heaviest flags, class weights) and once per other mode; plus the ragged shape once (no divisibility hints)
-    and the chunked dz kernel at a token count split into row blocks, the last one ragged (bf16)."""
-    n, d, v = PAPER_SHAPE
-    out = []
-
-    def add(label, launches):
-        for kernel, _grid, args, kwargs in launches:
-            out.append((f"{label}/{kernel.fn.__name__}", kernel, args, kwargs))
-
-    heavy = "filter+softcap+bias"
-    for name, dtype, tf32 in DTYPES:
-        fwd = forward_launches(props, dtype, n, d, v, tf32=tf32)
-        add(f"{name}/plain/fwd", fwd if name != "fp16" else fwd[:1])
-        if name == "bf16":  # the cross-entropy without label smoothing: no SUM / ENTROPY statistics
-            add(f"{name}/ce/fwd", forward_launches(props, dtype, n, d, v, need_sum=False, need_entropy=False))
-        if name in ("bf16", "tf32"):  # every row output on top of every statistic: the longest epilogue
-            rows = forward_launches(props, dtype, n, d, v, tf32=tf32, need_argmax=True, need_sumsq=True)
-            add(f"{name}/row-outputs/fwd", rows)
-        if name == "bf16":
-            fl = _FLAGS["bias+softcap+temp"]
-            add(
-                f"{name}/bias+softcap+temp/fwd",
-                forward_launches(
-                    props, dtype, n, d, v, bias=True, softcap=fl["softcap"], temperature=fl["temperature"]
-                )[:1],
-            )
-        weighted = "class-weights+softcap+bias"
-        fused = {"bf16": list(_FLAGS), "tf32": ["plain", heavy, weighted], "fp16": ["plain"], "fp32": ["plain"]}[name]
-        det = {"bf16": ["plain", heavy, weighted], "tf32": [heavy], "fp16": [], "fp32": [heavy]}[name]
-        for fname in fused:
-            add(f"{name}/{fname}/bwd", backward_launches(props, dtype, n, d, v, tf32=tf32, **_FLAGS[fname]))
-        for fname in det:
-            add(
-                f"{name}/{fname}/bwd-det",
-                backward_launches(props, dtype, n, d, v, tf32=tf32, deterministic=True, **_FLAGS[fname]),
-            )
-        chunked = {"bf16": ["plain", heavy, weighted], "tf32": ["plain"], "fp16": ["plain"], "fp32": ["plain"]}
-        for fname in chunked[name]:
-            add(
-                f"{name}/{fname}/bwd-chunked",
-                backward_launches(props, dtype, n, d, v, tf32=tf32, schedule="chunked", **_FLAGS[fname]),
-            )
-    n, d, v = RAGGED_SHAPE
-    add("bf16/ragged/fwd", forward_launches(props, torch.bfloat16, n, d, v)[:1])
-    add("bf16/ragged/bwd", backward_launches(props, torch.bfloat16, n, d, v, **_FLAGS["bias+softcap+temp"]))
-    n, d, v = ROWS_SHAPE
-    add("bf16/rows/bwd-chunked", backward_launches(props, torch.bfloat16, n, d, v, schedule="chunked"))
-    return out
-
 
 def distill_launches(
     props: _config.DeviceProps,
@@ -348,13 +298,20 @@ def distill_launches(
     temperature=None,
     tf32=True,
     deterministic=False,
+    teacher_bias=None,
+    need_hidden=True,
+    need_weight=True,
+    need_bias=True,
 ):
     """``[(kernel, grid, args, kwargs)]`` of one ``linear_distillation(impl="triton")`` call on
     ``props``: the statistics launch (for either KL with its cross sum), the JSD's per-row sums
     launch and the gradient launch of :mod:`.distill` (all student gradients), from its own
-    ``plan_*`` on meta tensors. ``dtypes``: (student, teacher) compute dtypes."""
+    ``plan_*`` on meta tensors, in the order of ``cce_dist.impl.triton_distill.forward`` (a KL's cross sums come
+    from the statistics pass, the JSD's from ``plan_rows``; the hard-label statistics when ``hard``).
+    ``dtypes``: (student, teacher) compute dtypes. ``bias``: the student's; ``teacher_bias``: the teacher's
+    (default: as the student). ``need_*``: the student gradients wanted (none: no gradient launch)."""
     hs, ws, bs, t = _meta_inputs(n, ds, v, dtypes[0], bias)
-    ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias)
+    ht, wt, bt, _t = _meta_inputs(n, dt, v, dtypes[1], bias if teacher_bias is None else teacher_bias)
     k = 3 if hard else 2
     f32, meta = torch.float32, torch.device("meta")
     norm = torch.empty(n, k, 2, dtype=f32, device=meta)
@@ -367,7 +324,7 @@ def distill_launches(
     if cross is None:
         launches.append(_kd.plan_rows(*heads, norm, divergence=divergence, beta=0.5, **geo)[0])
     coefs = dict(vocab_start=0, divergence=divergence, beta=0.5, soft_coef=0.5, hard_coef=0.5 if hard else 0.0)
-    needs = dict(need_hidden=True, need_weight=True, need_bias=True, deterministic=deterministic)
+    needs = dict(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias, deterministic=deterministic)
     *_grads, grads = _kd.plan_grads(hs, ws, bs, ht, wt, bt, t, norm, aux, g, **coefs, **needs, **geo)
     return launches + grads
 
@@ -376,65 +333,414 @@ def distill_launches(
 DISTILL_SHAPE = (8192, 2048, 4096, 128256)
 
 
-def distill_matrix(props: _config.DeviceProps):
-    """The distillation launches the AOT test compiles for ``props``: ``[(label, kernel, args, kwargs)]``.
+#: A distillation shape with nothing divisible by 16 (no alignment hints for either head).
+DISTILL_RAGGED_SHAPE = (8191, 2047, 4095, 32001)
 
-    At :data:`DISTILL_SHAPE`: bf16 heads plain (forward KL, no hard label) and with everything on
-    (bias, softcap per head, temperature, hard label) for reverse KL and JSD (every kernel and every
-    epilogue); a bf16 student with an fp32 (TF32) teacher; fp32 IEEE once (the small config); the
-    deterministic gradient kernels for bf16 and the TF32 teacher."""
-    n, ds, dt, v = DISTILL_SHAPE
-    bf, f32 = torch.bfloat16, torch.float32
-    full = dict(hard=True, bias=True, softcap=(30.0, 50.0), temperature=2.0)
-    cases = [
-        ("bf16/plain/kl", (bf, bf), True, dict(divergence="kl")),
-        ("bf16/full/reverse_kl", (bf, bf), True, dict(divergence="reverse_kl", **full)),
-        ("bf16/full/jsd", (bf, bf), True, dict(divergence="jsd", **full)),
-        ("bf16+tf32/full/kl", (bf, f32), True, dict(divergence="kl", **full)),
-        ("fp32/full/jsd", (f32, f32), False, dict(divergence="jsd", **full)),
-        ("bf16/full/jsd/det", (bf, bf), True, dict(divergence="jsd", deterministic=True, **full)),
-        ("bf16+tf32/full/reverse_kl/det", (bf, f32), True, dict(divergence="reverse_kl", deterministic=True, **full)),
-    ]
+# ------------------------------------------------------------------------------------------------------------------
+# The matrix: every flag set the launchers can produce, enumerated from the planners' own signatures.
+#
+# A flag set is one value per *axis*: the compute mode (dtype and TF32), the shape, and every planner parameter that
+# changes what is compiled. The axes come from ``inspect.signature`` of the planners, so a parameter added to a
+# planner is enumerated without being listed here: a keyword parameter with a bool default takes False and True; any
+# other must be named in AXIS_VALUES (its values), NOT_FLAGS (not a flag) or DERIVED (set from other axes), else
+# planner_axes raises and the AOT test fails until it is. Each flag set is handed to the planners on meta tensors;
+# flag sets the planners refuse (``deterministic`` with the atomic ``"tiles"`` schedule) or that launch nothing (no
+# gradient wanted) are dropped; the launches are then reduced to distinct specializations (Triton's cache key).
+
+#: Values of the planner parameters that are flags (besides bool-defaulted keywords: False and True). The first value
+#: is the lightest (``plain`` seed), the last the heaviest (``heavy`` seed; the gradients wanted excepted, see
+#: OUTPUT_AXES). Optional tensors among the positional arguments are present (True) or None (False).
+AXIS_VALUES: dict[str, tuple] = {
+    "bias": (False, True),
+    "bs": (False, True),
+    "bt": (False, True),
+    "softcap": (None, 30.0),
+    "temperature": (None, 0.7),
+    "filter_eps": (None, "auto"),  # "auto": engine.prepare.resolve_filter_eps of the compute dtype (a float)
+    "gamma_weights": (False, True),  # class weights: a float32 [V] tensor, or None
+    "_schedule": _bwd.SCHEDULES,
+    "divergence": _kd.DIVERGENCES,
+    "hard": (False, True),
+    "need_hidden": (True, False),
+    "need_weight": (True, False),
+    "need_bias": (True, False),
+}
+#: Axes whose first value is the heavier one (a gradient wanted): the ``heavy`` seed keeps it.
+OUTPUT_AXES = frozenset({"need_hidden", "need_weight", "need_bias"})
+#: The distillation's softcap is a pair (student, teacher): either, both or neither.
+DISTILL_SOFTCAPS = ((None, None), (30.0, None), (None, 50.0), (30.0, 50.0))
+#: Planner parameters that are not flags: tensors built from the shape, positions and runtime scalars (nothing is
+#: specialized on them beyond divisibility, which the shapes cover), the device record (the target), the TF32
+#: switch (part of the compute mode) and the tests-only overrides.
+NOT_FLAGS = frozenset(
+    {"hidden", "weight", "targets", "lse", "coef", "hs", "ws", "ht", "wt", "norm", "aux", "g"}
+    | {"vocab_start", "beta", "soft_coef", "props", "allow_tf32", "_splits", "_blocks", "_chunk_rows"}
+)
+#: Parameters the distillation driver (``impl.triton_distill.forward``) sets from other axes: ``cross`` is the
+#: divergence unless JSD, ``hard_coef`` is non-zero with a hard label.
+DERIVED = frozenset({"cross", "hard_coef"})
+
+
+def planner_axes(*planners, values: dict | None = None) -> dict[str, tuple]:
+    """``{parameter: values}`` of every flag among the planners' parameters, in signature order (see above).
+    ``values``: overrides of AXIS_VALUES. Raises LookupError for a parameter with no known values."""
+    table = {**AXIS_VALUES, **(values or {})}
+    axes: dict[str, tuple] = {}
+    for planner in planners:
+        for name, p in inspect.signature(planner).parameters.items():
+            if name in NOT_FLAGS or name in DERIVED or name in axes:
+                continue
+            if name in table:
+                axes[name] = tuple(table[name])
+            elif p.kind is p.KEYWORD_ONLY and isinstance(p.default, bool):
+                axes[name] = (False, True)
+            else:
+                raise LookupError(
+                    f"{planner.__module__}.{planner.__qualname__}: no values for parameter {name!r}; name them in "
+                    "cce_dist.kernels.aot.AXIS_VALUES (or NOT_FLAGS / DERIVED)"
+                )
+    return axes
+
+
+#: Compute modes of the cross-entropy: (dtype, TF32). ``fp32`` is IEEE fp32 (no tensor cores).
+MODES = {
+    "bf16": (torch.bfloat16, True),
+    "fp16": (torch.float16, True),
+    "tf32": (torch.float32, True),
+    "fp32": (torch.float32, False),
+}
+#: Compute modes of the distillation: ((student, teacher) dtypes, TF32).
+DISTILL_MODES = {
+    "bf16": ((torch.bfloat16, torch.bfloat16), True),
+    "fp16": ((torch.float16, torch.float16), True),
+    "bf16+tf32": ((torch.bfloat16, torch.float32), True),
+    "tf32": ((torch.float32, torch.float32), True),
+    "fp32": ((torch.float32, torch.float32), False),
+}
+SHAPES = {"paper": PAPER_SHAPE, "ragged": RAGGED_SHAPE, "rows": ROWS_SHAPE}
+DISTILL_SHAPES = {"paper": DISTILL_SHAPE, "ragged": DISTILL_RAGGED_SHAPE}
+#: The shapes :func:`flag_sets` scans the product at (not an axis): the paper shapes with a narrow vocab, so that
+#: the chunked schedule plans a few chunks instead of 250. Configs and constexprs do not depend on V.
+#: ``"rows"`` (a token count not a multiple of 16) is scanned too: it selects configs of its own.
+_SCAN = {"_scan": (PAPER_SHAPE[0], PAPER_SHAPE[1], 4096), "_scan_rows": (ROWS_SHAPE[0], ROWS_SHAPE[1], 4096)}
+_DISTILL_SCAN = {"_scan": (*DISTILL_SHAPE[:3], 4096)}
+#: The shape each scan shape stands for.
+_SCANNED = {"_scan": "paper", "_scan_rows": "rows"}
+
+
+def _fwd_row(props: _config.DeviceProps, row: dict) -> list:
+    dtype, tf32 = MODES[row["mode"]]
+    flags = {k: row[k] for k in ("softcap", "temperature", "need_sum", "need_entropy", "need_argmax", "need_sumsq")}
+    return forward_launches(props, dtype, *{**SHAPES, **_SCAN}[row["shape"]], bias=row["bias"], tf32=tf32, **flags)
+
+
+def _bwd_row(props: _config.DeviceProps, row: dict) -> list:
+    dtype, tf32 = MODES[row["mode"]]
+    n, d, v = {**SHAPES, **_SCAN}[row["shape"]]
+    if row["deterministic"] and row["_schedule"] == "tiles":
+        raise ValueError("deterministic with the tiles schedule: plan_grads refuses it")
+    flags = {k: row[k] for k in ("softcap", "temperature", "deterministic", "need_hidden", "need_weight", "need_bias")}
+    # resolve_filter_eps's "auto" (engine.prepare), without importing the engine: eps(dtype) * 2**-5
+    eps = torch.finfo(dtype).eps * 2.0**-5 if row["filter_eps"] == "auto" else row["filter_eps"]
+    return backward_launches(
+        props,
+        dtype,
+        n,
+        d,
+        v,
+        bias=row["bias"],
+        tf32=tf32,
+        filter_eps=eps,
+        schedule=row["_schedule"],
+        class_weights=row["gamma_weights"],
+        **flags,
+    )
+
+
+def _distill_row(props: _config.DeviceProps, row: dict) -> list:
+    dtypes, tf32 = DISTILL_MODES[row["mode"]]
+    flags = {k: row[k] for k in ("divergence", "hard", "softcap", "temperature", "deterministic")}
+    needs = {k: row[k] for k in ("need_hidden", "need_weight", "need_bias")}
+    n, ds, dt, v = {**DISTILL_SHAPES, **_DISTILL_SCAN}[row["shape"]]
+    return distill_launches(
+        props, dtypes, n, ds, dt, v, bias=row["bs"], teacher_bias=row["bt"], tf32=tf32, **flags, **needs
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """One group of launches enumerated together: its planners (whose signatures give the axes), its compute modes
+    and shapes, and ``launch(props, row)``: the launches of one flag set (raises ValueError where the planners
+    refuse it)."""
+
+    name: str
+    planners: tuple
+    modes: tuple
+    shapes: tuple
+    launch: Callable[[_config.DeviceProps, dict], list]
+    values: tuple = ()  # (parameter, values) overriding AXIS_VALUES
+    #: ``each`` level: every constexpr value in every kernel (the cross-entropy: each schedule's kernels with every
+    #: flag on and off), or in some kernel (the distillation, whose kernels share their flags: CI's budget)
+    per_kernel: bool = True
+
+    def axes(self) -> dict[str, tuple]:
+        return {"mode": self.modes, "shape": self.shapes, **planner_axes(*self.planners, values=dict(self.values))}
+
+
+FAMILIES = {
+    "fwd": Family("fwd", (_fwd.plan_row_stats,), tuple(MODES), tuple(SHAPES), _fwd_row),
+    "bwd": Family("bwd", (_bwd.plan_grads,), tuple(MODES), tuple(SHAPES), _bwd_row),
+    "distill": Family(
+        "distill",
+        (_kd.plan_stats, _kd.plan_rows, _kd.plan_grads),
+        tuple(DISTILL_MODES),
+        tuple(DISTILL_SHAPES),
+        _distill_row,
+        (("softcap", DISTILL_SOFTCAPS),),
+        per_kernel=False,
+    ),
+}
+#: ``--matrix`` names: which families.
+MATRICES = {"main": ("fwd", "bwd"), "distill": ("distill",), "all": ("fwd", "bwd", "distill")}
+#: ``--level``: how the flag sets are chosen. ``full``: the whole product of the axes. ``pairs``: a covering set in
+#: which every pair of (axis, value) that some launch can have occurs together (strength 2). ``each``: every (axis,
+#: value) occurs (strength 1). Both also hold seeds (:func:`_seeds`: the ``heavy`` flag set, every feature on, of
+#: the first mode; for ``pairs`` of each mode, the ``plain`` one too, and both per schedule and per divergence) and
+#: one flag set for each config the product selects that they do not already reach.
+LEVELS = ("each", "pairs", "full")
+
+
+def _seeds(family: Family, axes: dict[str, tuple], level: str) -> list[dict]:
+    """``pairs``: the ``plain`` and ``heavy`` flag sets of each mode at the paper shape, per schedule (backward) and
+    per divergence (distillation); ``each``: the ``heavy`` one of the first mode (bf16)."""
+    per = {"bwd": "_schedule", "distill": "divergence"}.get(family.name) if level == "pairs" else None
     out = []
-    for label, dtypes, tf32, kw in cases:
-        assert isinstance(kw, dict)
-        for kernel, _grid, args, kwargs in distill_launches(props, dtypes, n, ds, dt, v, tf32=tf32, **kw):
-            out.append((f"{label}/{kernel.fn.__name__}", kernel, args, kwargs))
+    for mode in axes["mode"] if level == "pairs" else axes["mode"][:1]:
+        for kind in ("plain", "heavy") if level == "pairs" else ("heavy",):
+            for extra in axes[per] if per else (None,):
+                row = {n: (vals[0] if kind == "plain" or n in OUTPUT_AXES else vals[-1]) for n, vals in axes.items()}
+                row.update(mode=mode, shape=axes["shape"][0])
+                if per:
+                    row[per] = extra
+                out.append(row)
     return out
 
 
+def _key(axes: dict[str, tuple], t: tuple) -> tuple:
+    names = list(axes)
+    return tuple((names.index(n), axes[n].index(v)) for n, v in t)
+
+
+def cover(axes: dict[str, tuple], strength: int, valid: Callable[[dict], bool], seeds: list[dict]) -> list[dict]:
+    """A deterministic covering set of flag sets (rows): ``seeds`` (those ``valid``), then greedily rows until every
+    ``strength``-tuple of (axis, value) occurs in some valid row or none can hold it (tried with the greedy fill and
+    up to 32 pseudo-random fills of the other axes, seeded: the same set every run)."""
+    names = list(axes)
+    need = set()
+    for combo in itertools.combinations(names, strength):
+        for vals in itertools.product(*(axes[n] for n in combo)):
+            need.add(tuple(zip(combo, vals)))
+
+    def tuples(row: dict) -> set:
+        return {tuple((n, row[n]) for n in combo) for combo in itertools.combinations(names, strength)}
+
+    rows: list[dict] = []
+    for r in seeds:
+        if valid(r):
+            rows.append(r)
+            need -= tuples(r)
+    rng = random.Random(0)
+    while need:
+        t = min(need, key=lambda x: _key(axes, x))
+        row = dict(t)
+        for n in names:  # greedy: the value completing the most uncovered tuples with the axes already set
+            if n in row:
+                continue
+
+            def gain(v, n=n, row=row, need=need):
+                trial = {**row, n: v}
+                done = [m for m in names if m in trial]
+                return sum(
+                    1
+                    for combo in itertools.combinations(done, strength)
+                    if n in combo and tuple((m, trial[m]) for m in combo) in need
+                )
+
+            row[n] = max(axes[n], key=gain)  # ties: the first value (max keeps the first maximum)
+        tries = 0
+        while not valid(row) and tries < 32:
+            row = {n: (row[n] if (n, row[n]) in t else rng.choice(axes[n])) for n in names}
+            tries += 1
+        if tries == 32 and not valid(row):
+            need.discard(t)  # no launch has it (e.g. deterministic with the tiles schedule)
+            continue
+        rows.append(row)
+        need -= tuples(row)
+    return rows
+
+
+def _label(family: Family, axes: dict[str, tuple], row: dict) -> str:
+    on = []
+    for n, vals in axes.items():
+        if n in ("mode", "shape") or row[n] == vals[0]:
+            continue
+        v = row[n]
+        on.append(
+            n.strip("_") if v is True else f"{n.strip('_')}={v if not isinstance(v, tuple) else ','.join(map(str, v))}"
+        )
+        if n in OUTPUT_AXES:
+            on[-1] = "no_" + n[len("need_") :]
+    return f"{row['mode']}/{row['shape']}/{family.name}:{'+'.join(on) or 'plain'}"
+
+
+def _config_of(kernel, kwargs: dict) -> tuple:
+    c = {k: kwargs.get(k) for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D", "BLOCK_D_OUT")}
+    return (kernel.fn.__name__, *c.values(), kwargs.get("num_warps"), kwargs.get("num_stages"))
+
+
+def _traits(launches: list) -> set:
+    """What a flag set's launches reach: each kernel's config and each (kernel, constexpr, value)."""
+    out: set = set()
+    for kernel, _grid, _args, kwargs in launches:
+        out.add(("config", *_config_of(kernel, kwargs)))
+        out |= {(kernel.fn.__name__, k, v) for k, v in kwargs.items() if k.isupper() and not k.startswith("BLOCK")}
+    return out
+
+
+def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[dict]:
+    """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
+
+    ``pairs``: the strength-2 cover with its seeds, then a scan of the product at the paper and rows shapes adding
+    the first flag set that reaches a config or a (kernel, constexpr, value) not reached yet. ``each``: a subset of
+    those rows, chosen greedily, that still reaches every (axis, value), every config and every (kernel, constexpr,
+    value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some kernel), with the ``heavy`` seed
+    first."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    axes = family.axes()
+    memo: dict[tuple, list] = {}
+
+    def launches(row: dict) -> list:
+        k = tuple(row[n] for n in axes)
+        if k not in memo:
+            try:
+                memo[k] = family.launch(props, row)
+            except ValueError:
+                memo[k] = []
+        return memo[k]
+
+    product = [dict(zip(axes, vals)) for vals in itertools.product(*axes.values())]
+    if level == "full":
+        return [r for r in product if launches(r)]
+    rows = cover(axes, 2, lambda r: bool(launches(r)), _seeds(family, axes, "pairs"))
+    seen = set().union(*(_traits(launches(r)) for r in rows))
+    for scan, shape in _SCANNED.items():
+        if shape not in axes["shape"]:
+            continue
+        for r in product:
+            if r["shape"] == shape:
+                new = _traits(launches({**r, "shape": scan})) - seen
+                if new:
+                    rows.append(r)
+                    seen |= _traits(launches(r))
+    if level == "pairs":
+        return rows
+
+    def reach(row: dict) -> set:
+        traits = _traits(launches(row))
+        if not family.per_kernel:  # each constexpr value in some kernel, rather than in each kernel
+            traits = {t if t[0] == "config" else ("kernel", t[0]) for t in traits}
+            traits |= {("constexpr", *t[1:]) for t in _traits(launches(row)) if t[0] != "config"}
+        return traits | {("axis", n, v) for n, v in row.items()}
+
+    heavy = _seeds(family, axes, "each")
+    chosen = [r for r in heavy if launches(r)]
+    todo = set().union(*(reach(r) for r in rows)) - set().union(set(), *(reach(r) for r in chosen))
+    while todo:  # greedy set cover; ties: the earlier row
+        best = max(rows, key=lambda r: len(reach(r) & todo))
+        chosen.append(best)
+        todo -= reach(best)
+    return chosen
+
+
+def plan(props: _config.DeviceProps, families=("fwd", "bwd"), level: str = "each") -> list[tuple]:
+    """The launches to compile for ``props`` as picklable jobs ``[(label, family, row, i)]``: launch ``i`` of
+    ``FAMILIES[family].launch(props, row)``, one per distinct specialization (Triton's cache key: two flag sets that
+    launch the same kernel with the same constexprs and argument specializations compile once; the label names the
+    first flag set that reached it)."""
+    arch = props.capability[0] * 10 + props.capability[1]
+    out, keys = [], set()
+    for name in families:
+        family = FAMILIES[name]
+        axes = family.axes()
+        for row in flag_sets(family, props, level):
+            try:
+                launches = family.launch(props, row)
+            except ValueError:
+                continue
+            for i, (kernel, _grid, args, kwargs) in enumerate(launches):
+                key = launch_key(kernel, args, kwargs, arch)
+                if key not in keys:
+                    keys.add(key)
+                    out.append((f"{_label(family, axes, row)}/{kernel.fn.__name__}", name, row, i))
+    return out
+
+
+def _resolve(props: _config.DeviceProps, job: tuple) -> tuple:
+    label, family, row, i = job
+    kernel, _grid, args, kwargs = FAMILIES[family].launch(props, row)[i]
+    return label, kernel, args, kwargs
+
+
+def matrix(props: _config.DeviceProps, families=("fwd", "bwd"), level: str = "each") -> list:
+    """:func:`plan` as ``[(label, kernel, args, kwargs)]``."""
+    return [_resolve(props, job) for job in plan(props, families, level)]
+
+
+def distill_matrix(props: _config.DeviceProps, level: str = "each") -> list:
+    """:func:`matrix` of the distillation launches."""
+    return matrix(props, ("distill",), level)
+
+
 def main(argv=None) -> None:
-    """``python -m cce_dist.kernels.aot --target sm_90 --json out.json [--matrix distill]``: compile the
-    matrix for one target and write ``[{label, ok, error, **Compiled}]``."""
+    """``python -m cce_dist.kernels.aot --target sm_90 --json out.json [--matrix main|distill|all] [--level
+    each|pairs|full] [--jobs 2]``: compile the enumerated launches for one target and write ``[{label, ok, error,
+    **Compiled}]``. ``--count``: print how many flag sets and distinct specializations each level has, compile
+    nothing."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--target", required=True, choices=sorted(_config.KNOWN_DEVICES))
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
-    ap.add_argument("--matrix", default="main", choices=sorted(_MATRICES), help="which launches to compile")
+    ap.add_argument("--matrix", default="main", choices=sorted(MATRICES), help="which launches to compile")
+    ap.add_argument("--level", default="each", choices=LEVELS, help="which flag sets (see LEVELS)")
+    ap.add_argument("--count", action="store_true", help="only count flag sets and specializations")
     a = ap.parse_args(argv)
     props = _config.KNOWN_DEVICES[a.target]
     arch = props.capability[0] * 10 + props.capability[1]
-    cases = _MATRICES[a.matrix](props)
+    if a.count:
+        for fam in MATRICES[a.matrix]:
+            rows = flag_sets(FAMILIES[fam], props, a.level)
+            print(f"{a.target} {fam} {a.level}: {len(rows)} flag sets, {len(matrix(props, (fam,), a.level))} kernels")
+        return
+    if not a.json:
+        ap.error("--json is required unless --count")
+    jobs = plan(props, MATRICES[a.matrix], a.level)
     if a.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(a.jobs) as ex:
-            rows = list(ex.map(_compile_row, [(a.target, a.matrix, i) for i in range(len(cases))]))
+            rows = list(ex.map(_compile_row, [(a.target, j) for j in jobs]))
     else:
-        rows = [_compile_case(c, arch) for c in cases]
+        rows = [_compile_case(_resolve(props, j), arch) for j in jobs]
     Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
-#: ``--matrix`` names: the cross-entropy kernels and the distillation kernels.
-_MATRICES = {"main": matrix, "distill": distill_matrix}
-
-
 def _compile_row(job) -> dict:
-    target, which, i = job
+    target, j = job
     props = _config.KNOWN_DEVICES[target]
-    return _compile_case(_MATRICES[which](props)[i], props.capability[0] * 10 + props.capability[1])
+    return _compile_case(_resolve(props, j), props.capability[0] * 10 + props.capability[1])
 
 
 def _compile_case(case, arch: int) -> dict:

@@ -27,6 +27,8 @@ tiles, partial tiles and the multi-split path.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -288,9 +290,13 @@ def forward_candidates(
             cands.insert(0, FwdConfig(128, 256, bd, num_warps=8, num_stages=3))
     else:
         # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
-        # the online-softmax epilogue spills; 64x128 over 8 warps does not.
+        # the online-softmax epilogue spills; 64x128 over 8 warps does not. TF32 takes 2 stages of its 16-wide
+        # chunks: with 3, ptxas held the lean epilogue (no SUM / ENTROPY) to 128 registers and spilled 8 B on sm_120
+        # (Triton 3.9, benchmarks/results/aot_spills.md).
         cands = [
-            FwdConfig(64, 128, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3),
+            FwdConfig(64, 128, 32, num_warps=8, num_stages=3)
+            if dtype != torch.float32
+            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     if heavy and props.mma == "wgmma":
@@ -314,6 +320,7 @@ def backward_config(
     deterministic: bool = False,
     class_weights: bool = False,
     compiler: tuple[int, int] | None = None,
+    ragged_rows: bool = False,
 ) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
     why it is not tuned): the first candidate whose shared memory fits.
@@ -322,10 +329,14 @@ def backward_config(
     with a 128x128 tile they spill on every target, so they get 64-row tiles. ``deterministic``
     matters on tcgen05 only (its load-add-store epilogue needs narrower column chunks there).
     ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic dW kernel beside the softcap tiles
-    then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target).
+    then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target; over 4
+    warps on mma.sync, where the deterministic configs also take 16-wide gradient-product chunks).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
-    tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks)."""
+    tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
+    ``ragged_rows``: the per-tile kernel on a token count that is not a multiple of 16 (no divisibility hint for N):
+    its filtering epilogue then spilled 150-240 B with 128-wide vocab tiles on mma.sync and wgmma (Triton 3.6-3.9),
+    so it gets 64-wide ones there."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
@@ -336,9 +347,20 @@ def backward_config(
     if deterministic and (heavy or props.mma == "mma"):
         # The deterministic kernels' load-add-store epilogue next to the softcap / filter tiles
         # (or mma.sync's register accumulators) spills with 128-wide vocab tiles on every target.
+        # On mma.sync the gradient products go in 16-wide chunks: with 32, ptxas traded 8-24 B of spill for
+        # occupancy in the dH / dW kernels (TF32 on sm_80 / sm_120 with Triton 3.7 / 3.8; class weights on sm_80 with
+        # 3.8 / 3.9), and class weights run over 4 warps (8 held them to 128 registers: 8 B on sm_80 with 3.9).
+        # TF32 there also recomputes in 16-wide chunks (two k=8 steps): 32 spilled 8-16 B at 128 / 168 registers on
+        # sm_120 (the dW kernel with 3.6, the class-weight dH kernel with 3.9).
+        d_out = 16 if props.mma == "mma" else 32
+        d = 16 if props.mma == "mma" and dtype == torch.float32 else 32
         if class_weights:
-            return BwdConfig(64, 32, 32, 32, group_n=8, num_warps=8, num_stages=2)
-        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
+            return BwdConfig(64, 32, d, d_out, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
+        # bf16 / fp16 there over 4 warps with Triton 3.9: 8 held the dH kernel to 128 registers at a token count not a
+        # multiple of 16 and spilled 8 B (sm_120); before 3.9, 4 warps spilled 8-48 B in the filtering dH kernel
+        # (sm_80 / sm_86) and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128 registers).
+        warps = 4 if props.mma == "mma" and dtype != torch.float32 and compiler >= (3, 9) else 8
+        return BwdConfig(64, 64, d, d_out, group_n=8, num_warps=warps, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
         cands = [
@@ -360,7 +382,10 @@ def backward_config(
                 0, BwdConfig(128, 128, 64, 64 if props.mma == "wgmma" else 32, group_n=8, num_warps=8, num_stages=3)
             )
     else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
-        cands = [BwdConfig(64, 128, 32, 64, group_n=8, num_warps=8, num_stages=2)]
+        # Triton 3.6 held the per-tile kernel to 128 registers with 64-wide gradient chunks and spilled 8 B (sm_120)
+        cands = [BwdConfig(64, 128, 32, 32 if compiler < (3, 7) else 64, group_n=8, num_warps=8, num_stages=2)]
+    if filtering and ragged_rows and props.mma in ("mma", "wgmma"):
+        cands = [dataclasses.replace(c, block_v=min(c.block_v, 64)) for c in cands]
     for c in cands:
         if _fits(bwd_smem_estimate(c, dtype), props):
             return c
@@ -376,8 +401,8 @@ def all_backward_configs(props: DeviceProps, compiler: tuple[int, int] | None = 
             for sc in (False, True):
                 for flt in (False, True):
                     for det in (False, True):
-                        for cw in (False, True):
-                            flags = dict(softcap=sc, filtering=flt, deterministic=det, class_weights=cw)
+                        for cw, rr in itertools.product((False, True), (False, True)):
+                            flags = dict(softcap=sc, filtering=flt, deterministic=det, class_weights=cw, ragged_rows=rr)
                             out.add(backward_config(props, dtype, tf32=tf32, compiler=compiler, **flags))
     return out
 

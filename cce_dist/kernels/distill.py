@@ -884,7 +884,11 @@ _INTERPRET = interpreting(_distill_stats_kernel)
 
 
 def distill_config(
-    props: _config.DeviceProps, dtype: torch.dtype, tf32: bool = True, deterministic: bool = False
+    props: _config.DeviceProps,
+    dtype: torch.dtype,
+    tf32: bool = True,
+    deterministic: bool = False,
+    compiler: tuple[int, int] | None = None,
 ) -> _config.BwdConfig:
     """The one config of all launches on ``props`` for the wider of the heads' compute dtypes
     ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
@@ -893,15 +897,25 @@ def distill_config(
     vocab tiles: 64 x 128 spilled there (the forward KL's statistics pass). Checked with the
     real compiler for every target (tests/test_aot_compile.py). ``deterministic``: the tiles of the
     deterministic gradient kernels (their load-add-store epilogue; 32-row tiles on mma.sync).
-    The spills these choices avoid: docs/design.md, "Distillation"."""
+    The spills these choices avoid: docs/design.md, "Distillation". ``compiler``: the Triton ``(major, minor)``
+    that compiles the kernels (default: the installed one): Triton 3.6 held the TF32 gradient kernel on tcgen05 to
+    128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher; 3.7: 16 B), so there (before 3.8) it
+    gets 16-wide gradient
+    chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels, which share the config,
+    spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
+    if compiler is None:
+        compiler = _config.triton_version()
     if deterministic and props.mma == "mma":
-        # the load-add-store epilogue next to both heads' tiles spilled at 64 x 64 on sm_120 (docs/design.md)
-        return _config.BwdConfig(32, 64, 32, 32, group_n=8, num_warps=4, num_stages=2)
-    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic)
+        # the load-add-store epilogue next to both heads' tiles spilled at 64 x 64 on sm_120 (docs/design.md); Triton
+        # 3.6 still spilled 8 B in the dH kernel (sm_80 / sm_86, every epilogue on): 16-wide gradient chunks there
+        return _config.BwdConfig(32, 64, 32, 16 if compiler < (3, 7) else 32, group_n=8, num_warps=4, num_stages=2)
+    c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic, compiler=compiler)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
+    if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 8):
+        c = dataclasses.replace(c, block_d_out=16)
     return c
 
 

@@ -1,0 +1,216 @@
+"""Spills and shared memory of every enumerated kernel, per Triton version and GPU target, without a GPU.
+
+Question: with which Triton versions (the supported range, ``cce_dist.kernels.TRITON_RANGE``) and on which targets
+(``kernels.config.KNOWN_DEVICES``) does a launch the library can make spill registers, and which one?
+
+For each Triton (the installed one, and each ``--triton VERSION=DIR`` installed beside it with ``pip install
+--target DIR triton==VERSION``) and each target, a subprocess with ``DIR`` first on ``PYTHONPATH`` and
+``TRITON_INTERPRET`` unset runs ``python -m cce_dist.kernels.aot --matrix all --level LEVEL``: the launches the
+planners make for the flag sets of ``LEVEL`` (``kernels.aot.LEVELS``: ``full`` is every flag set, ``pairs`` a
+covering set in which every pair of flag values occurs), reduced to distinct specializations, compiled with that
+Triton's ptxas. Each cell's rows are kept in ``--work`` (one JSON per Triton x target x level; a cell already there
+is not recompiled unless ``--force``), and the report is rendered from every cell present:
+
+    python -m benchmarks.aot_matrix --level pairs \\
+        --triton 3.6.0=~/.cache/cce_dist/triton-3.6.0 --triton 3.7.1=~/.cache/cce_dist/triton-3.7.1 \\
+        --triton 3.8.0=~/.cache/cce_dist/triton-3.8.0 --triton installed \\
+        --out benchmarks/results/aot_spills.md
+    python -m benchmarks.aot_matrix --render-only --level pairs --out benchmarks/results/aot_spills.md
+
+At most ``--jobs`` (default 2) compiler processes run at a time. Writes ``--out`` (markdown) and nothing else
+besides the work folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TARGETS = ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+LIMITS = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448, "sm_100": 232_448, "sm_120": 101_376}
+#: The bounds of tests/test_aot_compile.py: fp32 IEEE (no tensor cores) and the ragged shape (D = 2303).
+FP32_IEEE_SPILL_BOUND = 256
+RAGGED_SPILL_BOUND = 512
+
+
+def _env(path: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([p for p in (path, str(REPO), env.get("PYTHONPATH")) if p])
+    return env
+
+
+def _probe(path: str | None) -> dict[str, str]:
+    """Version of the Triton in ``path`` (None: the installed one) and of its ptxas binaries."""
+    code = "import triton, os; print(triton.__version__); print(os.path.dirname(triton.__file__))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(path), capture_output=True, text=True, check=True)
+    version, root = out.stdout.split()
+    ptxas = {}
+    for name in ("ptxas", "ptxas-blackwell"):
+        exe = pathlib.Path(root, "backends", "nvidia", "bin", name)
+        if exe.exists():
+            text = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=False).stdout
+            m = re.search(r"release ([\d.]+), (V[\d.]+)", text)
+            ptxas[name] = m.group(2) if m else text.strip().splitlines()[-1]
+    return {"version": version, "ptxas": ", ".join(f"{k} {v}" for k, v in ptxas.items())}
+
+
+def _cell(work: pathlib.Path, version: str, target: str, level: str) -> pathlib.Path:
+    return work / f"{version}-{target}-{level}.json"
+
+
+def compile_cell(path: str | None, version: str, target: str, level: str, work: pathlib.Path, jobs: int) -> None:
+    """Compile the matrix of ``target`` with the Triton in ``path`` into ``work``'s cell file."""
+    out = _cell(work, version, target, level)
+    tmp = out.with_suffix(".tmp")
+    cmd = [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--matrix", "all", "--level", level]
+    cmd += ["--jobs", str(jobs), "--json", str(tmp)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(path), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{version} {target}: {proc.stderr[-3000:]}")
+    os.replace(tmp, out)
+
+
+def bound_of(label: str) -> int:
+    """The spill bound tests/test_aot_compile.py applies to a launch (by its label: mode / shape / flags / kernel)."""
+    if label.startswith("fp32/"):
+        return FP32_IEEE_SPILL_BOUND
+    if "/ragged/" in label:
+        return RAGGED_SPILL_BOUND
+    return 0
+
+
+def summarize(rows: list[dict], target: str) -> dict:
+    """Counts, maxima and offenders of one cell."""
+    ok = [r for r in rows if r["ok"]]
+
+    def worst(sel):
+        return max((r["stack"] + r["local"] for r in sel), default=0)
+
+    strict = [r for r in ok if bound_of(r["label"]) == 0]
+    ieee = [r for r in ok if r["label"].startswith("fp32/")]
+    ragged = [r for r in ok if "/ragged/" in r["label"] and not r["label"].startswith("fp32/")]
+    spilling = [r for r in ok if r["stack"] + r["local"] > 0]
+    return {
+        "kernels": len(rows),
+        "failed": [f"{r['label']}: {r['error'][:200]}" for r in rows if not r["ok"]],
+        "max_spill": worst(strict),
+        "max_spill_ieee": worst(ieee),
+        "max_spill_ragged": worst(ragged),
+        "max_shared": max((r["shared"] for r in ok), default=0),
+        "over_shared": [r["label"] for r in ok if r["shared"] > LIMITS[target]],
+        "over_bound": [r for r in spilling if r["stack"] + r["local"] > bound_of(r["label"])],
+        "within_bound": [r for r in spilling if r["stack"] + r["local"] <= bound_of(r["label"])],
+    }
+
+
+def _describe(r: dict) -> str:
+    c = r["constexprs"]
+    tile = f"{c.get('BLOCK_N')}x{c.get('BLOCK_V')}x{c.get('BLOCK_D')}"
+    return f"`{r['label']}` {tile} w{r['num_warps']}s{r['num_stages']}: {r['stack'] + r['local']} B"
+
+
+def render(work: pathlib.Path, level: str, versions: dict[str, dict]) -> str:
+    """The markdown report of every cell of ``level`` in ``work``."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+    lines = [
+        "# Register spills of the cce_dist kernels per Triton version and target (generated)",
+        "",
+        f"Generated by `python -m benchmarks.aot_matrix --level {level}` on "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC at commit `{commit}`"
+        + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+        + ". No GPU: each launch is compiled with the Triton's own ptxas for the target "
+        "(`cce_dist.kernels.aot`). Flag sets: "
+        + {
+            "full": "every flag set the planners take (the product of their axes).",
+            "pairs": "a covering set (`kernels.aot.LEVELS`): every pair of flag values (mode, shape, bias, softcap, "
+            "temperature, statistics / row outputs, filtering, class weights, gradients wanted, deterministic, "
+            "schedule, divergence, hard label) occurs in some compiled flag set, plus the plain and heavy flag sets "
+            "of each mode per schedule / divergence and every config the planners select.",
+            "each": "the covering subset CI compiles (`kernels.aot.LEVELS`): every value of every axis (mode, shape, "
+            "bias, softcap, temperature, statistics / row outputs, filtering, class weights, gradients wanted, "
+            "deterministic, schedule, divergence, hard label), every kernel, every constexpr value (in every "
+            "cross-entropy kernel), every config the planners select, and every feature on at once (bf16).",
+        }[level]
+        + " The launches are reduced to distinct specializations (Triton's cache key).",
+        "",
+        "Spill bounds (tests/test_aot_compile.py): 0 B for bf16 / fp16 / TF32 (and the TF32 teacher) at aligned "
+        f"shapes; at most {FP32_IEEE_SPILL_BOUND} B for fp32 IEEE (FMA dot, no tensor cores); at most "
+        f"{RAGGED_SPILL_BOUND} B at the ragged shapes (D = 2303 / 2047: rows not 16-byte aligned).",
+        "",
+        "| Triton | ptxas |",
+        "|---|---|",
+    ]
+    for v, info in sorted(versions.items()):
+        lines.append(f"| {v} | {info.get('ptxas', '?')} |")
+    lines += [
+        "",
+        "| Triton | target | kernels | failed | max spill (bf16/fp16/TF32) | max spill fp32 IEEE | "
+        "max spill ragged | max shared (limit) | over a bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    details = []
+    for v in sorted(versions):
+        for t in TARGETS:
+            f = _cell(work, v, t, level)
+            if not f.exists():
+                lines.append(f"| {v} | {t} | not compiled | | | | | | |")
+                continue
+            s = summarize(json.loads(f.read_text()), t)
+            lines.append(
+                f"| {v} | {t} | {s['kernels']} | {len(s['failed'])} | {s['max_spill']} B | {s['max_spill_ieee']} B | "
+                f"{s['max_spill_ragged']} B | {s['max_shared']} ({LIMITS[t]}) | "
+                f"{len(s['over_bound']) + len(s['over_shared'])} |"
+            )
+            for r in s["over_bound"]:
+                details.append(f"- {v} {t}: over its bound: {_describe(r)}")
+            for label in s["over_shared"]:
+                details.append(f"- {v} {t}: shared memory over the limit: `{label}`")
+            for e in s["failed"]:
+                details.append(f"- {v} {t}: failed: {e}")
+            for r in s["within_bound"]:
+                details.append(f"- {v} {t}: within its bound: {_describe(r)}")
+    lines += ["", "## Spilling, failing or oversized kernels", ""] + (details or ["None."])
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--triton", action="append", default=[], help="VERSION=DIR, or 'installed'")
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--level", default="pairs", choices=("each", "pairs", "full"))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--work", default=str(pathlib.Path.home() / ".cache" / "cce_dist" / "aot_matrix"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "aot_spills.md"))
+    ap.add_argument("--force", action="store_true", help="recompile cells already in --work")
+    ap.add_argument("--render-only", action="store_true", help="compile nothing; render the cells in --work")
+    a = ap.parse_args()
+    work = pathlib.Path(a.work).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    meta_file = work / "versions.json"
+    versions = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    if not a.render_only:
+        for spec in a.triton or ["installed"]:
+            path = None if spec == "installed" else os.path.expanduser(spec.split("=", 1)[1])
+            info = _probe(path)
+            versions[info["version"]] = info
+            meta_file.write_text(json.dumps(versions, indent=1))
+            for t in a.targets.split(","):
+                if _cell(work, info["version"], t, a.level).exists() and not a.force:
+                    continue
+                print(f"compiling Triton {info['version']} {t} ({a.level})", flush=True)
+                compile_cell(path, info["version"], t, a.level, work, a.jobs)
+    pathlib.Path(a.out).write_text(render(work, a.level, versions))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
