@@ -10,6 +10,7 @@ both ends of the range for real.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -113,7 +114,14 @@ def test_filtering_config_on_blackwell_follows_the_compiler():
     new = C.backward_config(p100, torch.bfloat16, filtering=True, compiler=(3, 9))
     assert (old.block_n, old.block_v) == (64, 64)
     assert (new.block_n, new.block_v) == (64, 128)
-    # the other targets and the unfiltered configs do not depend on the compiler
-    for props in C.KNOWN_DEVICES.values():
+    # unfiltered configs depend on the compiler only where the enumerated AOT matrix found Triton 3.6 spilling
+    # (benchmarks/results/aot_spills.md): the per-tile bf16 / fp16 backward on mma.sync (sm_80 / 86 / 120) with
+    # 32-wide gradient chunks; nothing else, and never fp32
+    for name, props in C.KNOWN_DEVICES.items():
         for dtype in (torch.bfloat16, torch.float32):
-            assert C.backward_config(props, dtype, compiler=(3, 6)) == C.backward_config(props, dtype, compiler=(3, 9))
+            old, new = (C.backward_config(props, dtype, compiler=v) for v in ((3, 6), (3, 9)))
+            if props.mma == "mma" and dtype == torch.bfloat16:
+                assert (old.block_d_out, new.block_d_out) == (32, 64), name
+                assert dataclasses.replace(old, block_d_out=64) == new, name
+            else:
+                assert old == new, (name, dtype)
