@@ -914,7 +914,8 @@ def distill_config(
     c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic, compiler=compiler)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
-    if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 8):
+    if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 9):
+        # TF32 gradients with 32-wide chunks spill before 3.9 (Triton 3.8: 16 B in the gradients kernel)
         c = dataclasses.replace(c, block_d_out=16)
     return c
 
