@@ -457,11 +457,6 @@ class Comm:
             raise ValueError("cce_dist: a data_parallel shard needs the ranks' token counts (the handshake's layout)")
 
     @property
-    def data_parallel(self) -> bool:
-        """Whether the ranks hold their own tokens (``VocabShard.data_parallel``), on any group size."""
-        return self.shard is not None and self.shard.data_parallel
-
-    @property
     def group(self):
         return self.shard.group if self.shard is not None else None
 
@@ -548,11 +543,7 @@ class Comm:
         shard = self._group_shard()
         if shard is None or not shard.sequence_parallel:
             return hidden
-        out = hidden.new_empty((self.world * hidden.shape[0],) + tuple(hidden.shape[1:]))
-        parts, src = list(out.chunk(self.world, 0)), hidden.contiguous()
-        with released([src, *parts]):
-            dist.all_gather(parts, src, group=self.group)
-        return out
+        return gather_rows(hidden, (hidden.shape[0],) * self.world, self.group)  # equal slices
 
     def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The part of a per-row tensor over all (gathered) tokens that matches the rows of
@@ -572,17 +563,8 @@ class Comm:
             return dh
         if self.counts is not None:
             return reduce_scatter_rows(dh, self.counts, shard.rank, self.group)
-        if shard.sequence_parallel:
-            parts = list(dh.chunk(self.world, 0))
-            out = torch.empty_like(parts[0])
-            if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
-                with released([dh]):
-                    dist.all_reduce(dh, group=self.group)
-                return parts[shard.rank].clone()
-            inputs = [p.contiguous() for p in parts]
-            with released([out, *inputs]):
-                dist.reduce_scatter(out, inputs, group=self.group)
-            return out
+        if shard.sequence_parallel:  # equal slices
+            return reduce_scatter_rows(dh, (dh.shape[0] // self.world,) * self.world, shard.rank, self.group)
         with released([dh]):
             dist.all_reduce(dh, group=self.group)
         return dh
