@@ -221,15 +221,26 @@ def test_kernel_parameter_lists_agree(module):
             assert [p for p in pa if p in common] == [p for p in pb if p in common], (a, b)
 
 
-# A caller's own names for logit_tile's parameters.
-LOGIT_TILE_RENAMES = {"PREC": "DOT_PRECISION", "INTERP": "INTERP_BF16"}
+# A caller's own names for logit_tile's parameters: distillation's student (S) and teacher (T) heads.
+LOGIT_TILE_RENAMES = {
+    **{head: "HEAD" for head in "ST"},
+    **{f"PREC_{head}": "DOT_PRECISION" for head in "ST"},
+    **{f"INTERP_{head}": "INTERP_BF16" for head in "ST"},
+    **{f"HAS_B{head}": "HAS_BIAS" for head in "ST"},
+}
+# What every caller packs into logit_tile's HEAD tuple, in this order (distillation: HS, WS, BS, DS, stride_hsn, ...).
+HEAD_FIELDS = ["H", "W", "Bias", "D", "stride_hn", "stride_hd", "stride_wv", "stride_wd", "stride_b"]
 
 
 def test_logit_tile_calls_pass_its_parameters_in_order():
     """The forward, backward and distillation kernels form their logits with the same logit_tile call (bit-identical
-    logits): each argument is the variable named after the parameter it fills."""
-    params = _arg_names(_functions("_common")["logit_tile"])
-    callers = []
+    logits): each argument is the variable named after the parameter it fills, and the HEAD tuple each kernel builds
+    holds the head's pointers, hidden size and strides in logit_tile's order."""
+    tile = _functions("_common")["logit_tile"]
+    params = _arg_names(tile)
+    unpack = next(n for n in ast.walk(tile) if isinstance(n, ast.Assign) and ast.unparse(n.value) == "HEAD")
+    assert [ast.unparse(e) for e in unpack.targets[0].elts] == HEAD_FIELDS
+    callers, heads = [], 0
     for module in ("forward", "backward", "distill"):
         for fn in _functions(module).values():
             for node in ast.walk(fn):
@@ -238,7 +249,23 @@ def test_logit_tile_calls_pass_its_parameters_in_order():
                     args = [LOGIT_TILE_RENAMES.get(ast.unparse(a), ast.unparse(a)) for a in node.args]
                     assert args == params, (module, fn.name)
                     callers.append(fn.name)
-    assert sorted(callers) == ["_dz_tile", "_head_logits", "_row_stats_kernel"]
+                if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) in ("HEAD", "S", "T"):
+                    suffix = {"HEAD": "", "S": "s", "T": "t"}[ast.unparse(node.targets[0])]
+                    # distillation's names: HS / WS / BS / DS, stride_hsn, ...: the head's letter after the first one
+                    want = [f if not suffix else _head_name(f, suffix) for f in HEAD_FIELDS]
+                    assert [ast.unparse(e) for e in node.value.elts] == want, (module, fn.name)
+                    heads += 1
+    assert sorted(callers) == ["_dz_tile", "_row_stats_kernel", "_tiles", "_tiles"]
+    assert heads >= 2 + 2 * 5  # forward, backward, and both heads of each distillation kernel
+
+
+def _head_name(field: str, head: str) -> str:
+    """Distillation's name of a HEAD field for head ``head`` ("s" student, "t" teacher)."""
+    if field == "Bias":
+        return "B" + head.upper()
+    if field.startswith("stride_"):
+        return f"stride_{field[7]}{head}{field[8:]}"
+    return field + head.upper()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,6 +56,20 @@ def check_inputs(interpret: bool, hidden: torch.Tensor, weight: torch.Tensor, bi
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devs))}")
 
 
+def head_strides(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """The strides of :func:`logit_tile`'s HEAD as a launch passes them: ``(stride_hn, stride_hd, stride_wv,
+    stride_wd, stride_b)`` of ``hidden [N, D]``, ``weight [V, D]`` and ``bias [V]`` (0 without a bias)."""
+    return (*hidden.stride(), *weight.stride(), bias.stride(0) if bias is not None else 0)
+
+
+def transform_args(softcap: float | None, temperature: float | None) -> tuple[bool, bool, float, float]:
+    """``(HAS_SOFTCAP, HAS_TEMP, softcap, temperature)`` as :func:`transform` takes them: a softcap of None or 0 and
+    a temperature of None or 1 are off (their value then 1.0, never read)."""
+    cap = float(softcap) if softcap is not None and softcap != 0 else None
+    temp = float(temperature) if temperature is not None and float(temperature) != 1.0 else None
+    return cap is not None, temp is not None, 1.0 if cap is None else cap, 1.0 if temp is None else temp
+
+
 def interp_bf16(dtype: torch.dtype, interpret: bool) -> bool:
     """Work around two bf16 bugs of the Triton 3.x interpreter (not of the GPU compiler):
     its tl.dot multiplies bf16 operands as their raw uint16 bits, and its fp32 -> bf16 cast
@@ -102,19 +116,11 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 @triton.jit
 def logit_tile(
-    H,
-    W,
-    Bias,
+    HEAD,
     offs_n,
     offs_v,
     N,
     V,
-    D,
-    stride_hn,
-    stride_hd,
-    stride_wv,
-    stride_wd,
-    stride_b,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -124,9 +130,12 @@ def logit_tile(
 ):
     """Raw logits of one [BLOCK_N, BLOCK_V] tile, rounded to the input dtype, returned as fp32.
 
-    ``offs_n`` / ``offs_v`` are int64 row / vocab offsets; rows >= N and columns >= V load zeros
-    (callers mask them afterwards). Offsets are int64 so ``n * stride`` cannot overflow.
+    ``HEAD``: the head as one tuple ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``
+    (hidden states [N, D], weight [V, D], bias [V]; a stride the launcher specialized to 1 stays a constexpr
+    inside the tuple). ``offs_n`` / ``offs_v`` are int64 row / vocab offsets; rows >= N and columns >= V load
+    zeros (callers mask them afterwards). Offsets are int64 so ``n * stride`` cannot overflow.
     """
+    H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b = HEAD
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     h_ptrs = H + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd
     w_ptrs = W + offs_v[None, :] * stride_wv + offs_d[:, None] * stride_wd

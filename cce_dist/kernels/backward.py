@@ -79,25 +79,25 @@ from . import config as _config
 from ._common import (
     check_inputs,
     dot_precision,
+    head_strides,
     interp_bf16,
     interpreting,
     logit_tile,
     mma,
     round_to,
     transform,
+    transform_args,
     use_libdevice,
 )
 
 # The kernels pass the arguments they share with _dz_tile and _add_products written out, in the
 # helpers' parameter order (which follows the kernels'), each such call kept on a few lines by
 # ``# fmt: skip``. Not as ``tl.constexpr`` tuples star-expanded in the call (``*flags``): Triton 3.6
-# and 3.7 reject starred arguments (3.8 accepts them), and a plain tuple would turn its constexpr
-# members (the flags, strides the launcher specialized to 1) into runtime values.
+# and 3.7 reject starred arguments (3.8 accepts them). The head itself travels as logit_tile's HEAD tuple.
 
 
-# Its logit_tile call passes logit_tile's parameters in order, as the forward kernel's does (the comment inside says
-# "mirror"; the function body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
-# tests/test_signatures.py checks every call.
+# Its logit_tile call is the forward kernel's (test_logit_tile_calls_pass_its_parameters_in_order in
+# tests/test_signatures.py checks every call): bit-identical logits.
 @triton.jit
 def _dz_tile(
     offs_n,
@@ -143,28 +143,8 @@ def _dz_tile(
     that are active (valid with a nonzero coefficient)."""
     row_ok = offs_n < N
     col_ok = offs_v < V
-    # Same call as the forward kernel's (the arguments mirror logit_tile's signature): bit-identical logits.
-    raw = logit_tile(
-        H,
-        W,
-        Bias,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        D,
-        stride_hn,
-        stride_hd,
-        stride_wv,
-        stride_wd,
-        stride_b,
-        HAS_BIAS,
-        DOT_PRECISION,
-        INTERP_BF16,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    HEAD = (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)
+    raw = logit_tile(HEAD, offs_n, offs_v, N, V, HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
     z, slope = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
     lse = tl.load(LSE + offs_n, mask=row_ok, other=0.0)
@@ -831,8 +811,7 @@ def _kernel_args(
     """``(common, scalars, flags)``: the tensors, runtime scalars and constexprs every backward
     kernel takes, in the kernels' parameter order."""
     n, d = hidden.shape
-    has_softcap = softcap is not None and softcap != 0
-    has_temp = temperature is not None and float(temperature) != 1.0
+    has_softcap, has_temp, softcap_arg, temperature_arg = transform_args(softcap, temperature)
     filt = filter_eps is not None
     gw = gamma_w if gamma_w is not None else lse  # never read without HAS_GAMMA_W
     common = (hidden, weight, bias if bias is not None else hidden, targets, lse, coef, gw)
@@ -841,14 +820,10 @@ def _kernel_args(
         weight.shape[0],
         d,
         int(vocab_start),
-        float(softcap) if has_softcap else 1.0,
-        float(temperature) if has_temp else 1.0,
+        softcap_arg,
+        temperature_arg,
         float(filter_eps) if filt else 0.0,
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        bias.stride(0) if bias is not None else 0,
+        *head_strides(hidden, weight, bias),
         targets.stride(0),
         coef.stride(0),
         coef.stride(1),
@@ -955,7 +930,7 @@ def plan_grads(
     if n == 0 or weight.shape[0] == 0 or d == 0 or not (need_hidden or need_weight or need_bias):
         return dh, dw, db, []
 
-    has_softcap = softcap is not None and softcap != 0
+    has_softcap = transform_args(softcap, temperature)[0]
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
     blocks, (group_n, warps, stages), props = _tuning(
         hidden, schedule, props, precision, has_softcap, filter_eps is not None, gamma_weights is not None, _blocks
@@ -1081,11 +1056,9 @@ def grads(
         for kernel, grid, args, kwargs in launches:
             kernel[grid](*args, **kwargs)
 
-    has_softcap = softcap is not None and softcap != 0
+    has_softcap, _has_temp, _cap, temp = transform_args(softcap, temperature)
     if launches and filter_eps is not None and not has_softcap:  # GAMMA was left out of the tiles
-        gamma = coef[:, GAMMA]
-        if temperature is not None and float(temperature) != 1.0:
-            gamma = gamma / float(temperature)
+        gamma = coef[:, GAMMA] / temp if temp != 1.0 else coef[:, GAMMA]
         _add_uniform_term(hidden, weight, gamma, dh, dw, db, gamma_weights)
     return dh, dw, db
 

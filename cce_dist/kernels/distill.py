@@ -54,6 +54,7 @@ from . import config as _config
 from ._common import (
     check_inputs,
     dot_precision,
+    head_strides,
     interp_bf16,
     interpreting,
     logit_tile,
@@ -69,50 +70,6 @@ _MAX, _SUMEXP, _TARGET = tl.constexpr(MAX), tl.constexpr(SUMEXP), tl.constexpr(T
 #: Column of block 0 of the statistics kernel's split slabs that holds the KL cross sum (the slot of the unused SUM).
 CROSS_COL = SUM
 _CROSS = tl.constexpr(CROSS_COL)
-
-
-# Its logit_tile call passes logit_tile's parameters in order, under this module's names PREC / INTERP (the comment
-# inside says "mirror"; the function body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
-# tests/test_signatures.py checks every call.
-@triton.jit
-def _head_logits(
-    X,
-    offs_n,
-    offs_v,
-    N,
-    V,
-    HAS_BIAS: tl.constexpr,
-    PREC: tl.constexpr,
-    INTERP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One head's raw logit tile (:func:`._common.logit_tile`); ``X`` = the head's ``(H, W, Bias, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
-    H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b = X
-    # The arguments mirror logit_tile's signature (as in the forward and backward kernels).
-    return logit_tile(
-        H,
-        W,
-        Bias,
-        offs_n,
-        offs_v,
-        N,
-        V,
-        D,
-        stride_hn,
-        stride_hd,
-        stride_wv,
-        stride_wd,
-        stride_b,
-        HAS_BIAS,
-        PREC,
-        INTERP,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
 
 
 @triton.jit
@@ -144,9 +101,9 @@ def _tiles(
     student's (softcapped) logits at T=1, ``z_s = c_s / T``, ``z_t`` the teacher's soft logits and
     ``slope_s = 1 - tanh(raw_s / cap_s)**2`` the softcap's chain factor (``_common.tanh_and_slope``).
     ``S`` / ``T``: each head's ``(H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)``."""
-    raw = _head_logits(S, offs_n, offs_v, N, V, HAS_BS, PREC_S, INTERP_S, BLOCK_N, BLOCK_V, BLOCK_D)
+    raw = logit_tile(S, offs_n, offs_v, N, V, HAS_BS, PREC_S, INTERP_S, BLOCK_N, BLOCK_V, BLOCK_D)
     c_s, slope_s = transform(raw, cap_s, 1.0, HAS_CAP_S, False, USE_LIBDEVICE)
-    raw = _head_logits(T, offs_n, offs_v, N, V, HAS_BT, PREC_T, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
+    raw = logit_tile(T, offs_n, offs_v, N, V, HAS_BT, PREC_T, INTERP_T, BLOCK_N, BLOCK_V, BLOCK_D)
     z_t, _t = transform(raw, cap_t, temperature, HAS_CAP_T, HAS_TEMP, USE_LIBDEVICE)
     if HAS_TEMP:
         z_s = c_s / temperature
@@ -243,9 +200,9 @@ def _split(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
 # The kernels take the shared parameters in one order (the plan_* launchers build their arguments alike;
 # test_kernel_parameter_lists_agree in tests/test_signatures.py checks the order, and tests/test_aot_compile.py
 # compiles every launch the plans build): each names what it reads. ``S`` / ``T`` = each head's (H, W, Bias, D,
-# stride_hn, stride_hd, stride_wv, stride_wd, stride_b) travel to the helpers as plain tuples passed whole (no
-# constexpr member; _head_logits unpacks them); everything else is written out in the helpers' parameter order,
-# as in :mod:`.backward` (Triton 3.6 and 3.7 reject star-expanded arguments).
+# stride_hn, stride_hd, stride_wv, stride_wd, stride_b), the HEAD tuple of :func:`._common.logit_tile`, travel to
+# the helpers whole; everything else is written out in the helpers' parameter order, as in :mod:`.backward`
+# (Triton 3.6 and 3.7 reject star-expanded arguments).
 @triton.jit
 def _distill_stats_kernel(
     HS,
@@ -947,18 +904,7 @@ class _Launch:
         self.sizes = (self.n, self.v, self.ds, self.dt)
         temp = float(temperature) if has_temp else 1.0
         self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0, temp)
-        self.strides = (
-            hs.stride(0),
-            hs.stride(1),
-            ws.stride(0),
-            ws.stride(1),
-            bs.stride(0) if bs is not None else 0,
-            ht.stride(0),
-            ht.stride(1),
-            wt.stride(0),
-            wt.stride(1),
-            bt.stride(0) if bt is not None else 0,
-        )
+        self.strides = (*head_strides(hs, ws, bs), *head_strides(ht, wt, bt))
         c = self.cfg
         self.flags = dict(
             HAS_BS=bs is not None,

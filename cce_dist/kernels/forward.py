@@ -22,15 +22,24 @@ from cce_dist.core.runtime import device_guard
 from cce_dist.core.stats import MAX, NUM_STATS, SUM_SCALE, SUMEXP, combine_stack, empty_stats
 
 from . import config as _config
-from ._common import check_inputs, dot_precision, interp_bf16, interpreting, logit_tile, transform, use_libdevice
+from ._common import (
+    check_inputs,
+    dot_precision,
+    head_strides,
+    interp_bf16,
+    interpreting,
+    logit_tile,
+    transform,
+    transform_args,
+    use_libdevice,
+)
 
 _SUM_SCALE = tl.constexpr(SUM_SCALE)  # the SUM column's exact power-of-two scale (cce_dist.core.stats)
 _FLOOR = tl.constexpr(-3.4028234663852886e38)  # the lowest finite float32: where the running max starts
 
 
-# Its logit_tile call passes logit_tile's parameters in order, as the backward's _dz_tile does (the comment inside
-# says "mirror"; the kernel body is left as compiled): test_logit_tile_calls_pass_its_parameters_in_order in
-# tests/test_signatures.py checks every call.
+# Its logit_tile call is the backward's _dz_tile's and distillation's (bit-identical logits):
+# test_logit_tile_calls_pass_its_parameters_in_order in tests/test_signatures.py checks every call.
 @triton.jit
 def _row_stats_kernel(
     H,
@@ -109,32 +118,12 @@ def _row_stats_kernel(
     q = tl.zeros((BLOCK_N,), dtype=tl.float32)
     am = tl.zeros((BLOCK_N,), dtype=tl.int64) + (V + vocab_start)  # past every id: set by the split's first tile
     nan_seen = tl.zeros((BLOCK_N,), dtype=tl.int1)  # NEED_ARGMAX: the row has a NaN logit (am is its first)
+    HEAD = (H, W, Bias, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b)
 
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = offs_v < v_hi
-        # The backward's _dz_tile makes the same call (the arguments mirror logit_tile's signature): identical logits.
-        raw = logit_tile(
-            H,
-            W,
-            Bias,
-            offs_n,
-            offs_v,
-            N,
-            V,
-            D,
-            stride_hn,
-            stride_hd,
-            stride_wv,
-            stride_wd,
-            stride_b,
-            HAS_BIAS,
-            DOT_PRECISION,
-            INTERP_BF16,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        raw = logit_tile(HEAD, offs_n, offs_v, N, V, HAS_BIAS, DOT_PRECISION, INTERP_BF16, BLOCK_N, BLOCK_V, BLOCK_D)
         z, _slope = transform(raw, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, USE_LIBDEVICE)
 
         z_m = tl.where(col_ok[None, :], z, float("-inf"))
@@ -314,8 +303,7 @@ def plan_row_stats(
     """
     n, d = hidden.shape
     v = weight.shape[0]
-    has_softcap = softcap is not None and softcap != 0
-    has_temp = temperature is not None and float(temperature) != 1.0
+    has_softcap, has_temp, softcap_arg, temperature_arg = transform_args(softcap, temperature)
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
     needs = dict(need_sum=need_sum, need_entropy=need_entropy, need_argmax=need_argmax, need_sumsq=need_sumsq)
     lean, heavy = not any(needs.values()), bool(need_argmax or need_sumsq)
@@ -332,13 +320,9 @@ def plan_row_stats(
         v,
         d,
         int(vocab_start),
-        float(softcap) if has_softcap else 1.0,
-        float(temperature) if has_temp else 1.0,
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        bias.stride(0) if bias is not None else 0,
+        softcap_arg,
+        temperature_arg,
+        *head_strides(hidden, weight, bias),
         targets.stride(0),
         out.stride(0),
         out.stride(1),
