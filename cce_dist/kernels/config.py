@@ -249,6 +249,7 @@ def forward_candidates(
     aligned: bool = True,
     lean: bool = False,
     heavy: bool = False,
+    compiler: tuple[int, int] | None = None,
 ) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
@@ -260,23 +261,30 @@ def forward_candidates(
     smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
     (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90.
     ``heavy``: the row outputs' ARGMAX / SUMSQ too (two more running values and a per-tile argmax): tiles of more
-    than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs")."""
+    than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
+    ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
+    version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [SMALL_FWD]
+    if compiler is None:
+        compiler = triton_version()
     bd = 64 if dtype != torch.float32 else 32
     if props.mma == "tcgen05":
         # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
         # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
+        # Triton 3.7 (ptxas held these two to 128 registers) spilled 8 B in TF32 128x128 with 16-wide K chunks and
+        # 16 B in 64x128 with 64-wide ones; 32-wide chunks do not spill (benchmarks/results/aot_spills.md).
+        k37 = compiler == (3, 7)
         if dtype == torch.float32:
             cands = [
                 FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
-                FwdConfig(128, 128, 16, num_warps=8, num_stages=3),
+                FwdConfig(128, 128, 32 if k37 else 16, num_warps=8, num_stages=3),
                 FwdConfig(64, 128, 32, num_warps=8, num_stages=3),
             ]
         else:
             cands = [
                 FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
-                FwdConfig(64, 128, bd, num_warps=8, num_stages=3),
+                FwdConfig(64, 128, 32 if k37 else bd, num_warps=8, num_stages=3),
             ]
         if softcap:
             cands = [c for c in cands if c.block_v < 256]
@@ -287,7 +295,8 @@ def forward_candidates(
             FwdConfig(64, 128, bd, num_warps=4, num_stages=4),
         ]
         if lean and not softcap and dtype != torch.float32:
-            cands.insert(0, FwdConfig(128, 256, bd, num_warps=8, num_stages=3))
+            # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
+            cands.insert(0, FwdConfig(128, 256, 32 if compiler == (3, 8) else bd, num_warps=8, num_stages=3))
     else:
         # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
         # the online-softmax epilogue spills; 64x128 over 8 warps does not. TF32 takes 2 stages of its 16-wide
@@ -355,11 +364,17 @@ def backward_config(
         d_out = 16 if props.mma == "mma" else 32
         d = 16 if props.mma == "mma" and dtype == torch.float32 else 32
         if class_weights:
+            # Triton 3.8 on mma.sync recomputes in 16-wide chunks there too: with 32, the bf16 dH kernel spilled 8 B at
+            # 168 registers (sm_80); 8 warps spilled 8-24 B, 32-wide gradient chunks 8-24 B in the dW kernel
+            if props.mma == "mma" and compiler == (3, 8):
+                d = 16
             return BwdConfig(64, 32, d, d_out, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
-        # bf16 / fp16 there over 4 warps with Triton 3.9: 8 held the dH kernel to 128 registers at a token count not a
-        # multiple of 16 and spilled 8 B (sm_120); before 3.9, 4 warps spilled 8-48 B in the filtering dH kernel
-        # (sm_80 / sm_86) and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128 registers).
-        warps = 4 if props.mma == "mma" and dtype != torch.float32 and compiler >= (3, 9) else 8
+        # bf16 / fp16 there over 4 warps with Triton 3.9, and on sm_120 from 3.7: 8 held the dH kernel to 128 registers
+        # at a token count not a multiple of 16 and spilled 8 B (sm_120, 3.7-3.9); before 3.9, 4 warps spilled 8-48 B
+        # in the filtering dH kernel on sm_80 / sm_86 and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128
+        # registers).
+        four = compiler >= (3, 9) or (props.capability[0] >= 12 and compiler >= (3, 7))
+        warps = 4 if props.mma == "mma" and dtype != torch.float32 and four else 8
         return BwdConfig(64, 64, d, d_out, group_n=8, num_warps=warps, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
         # The deterministic kernels' load-add-store epilogue spills with 64-wide chunks there.
@@ -368,7 +383,9 @@ def backward_config(
             BwdConfig(64, 64, 32, 32, group_n=8, num_warps=4, num_stages=2),
         ]
         if dtype == torch.float32:
-            cands = [BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)]
+            # TF32: Triton 3.8 spilled 16 B in the dH kernel with 32-wide gradient chunks (128 registers); 16 do not
+            d_out = 16 if compiler == (3, 8) else 32
+            cands = [BwdConfig(64, 64, 32, d_out, group_n=8, num_warps=8, num_stages=2)]
         return next((c for c in cands if _fits(bwd_smem_estimate(c, dtype), props)), SMALL_BWD)
     if dtype == torch.float32:  # TF32 (64x64 over 4 warps spills the deterministic epilogue on sm_86/120)
         cands = [
