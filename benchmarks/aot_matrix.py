@@ -32,12 +32,11 @@ import re
 import subprocess
 import sys
 
+from cce_dist.kernels.aot import FP32_IEEE_SPILL_BOUND, spill_bound
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 LIMITS = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448, "sm_100": 232_448, "sm_120": 101_376}
-#: The bounds of tests/test_aot_compile.py: fp32 IEEE (no tensor cores) and the ragged shape (D = 2303).
-FP32_IEEE_SPILL_BOUND = 256
-RAGGED_SPILL_BOUND = 512
 
 
 def _env(path: str | None) -> dict[str, str]:
@@ -78,15 +77,6 @@ def compile_cell(path: str | None, version: str, target: str, level: str, work: 
     os.replace(tmp, out)
 
 
-def bound_of(label: str) -> int:
-    """The spill bound tests/test_aot_compile.py applies to a launch (by its label: mode / shape / flags / kernel)."""
-    if label.startswith("fp32/"):
-        return FP32_IEEE_SPILL_BOUND
-    if "/ragged/" in label:
-        return RAGGED_SPILL_BOUND
-    return 0
-
-
 def summarize(rows: list[dict], target: str) -> dict:
     """Counts, maxima and offenders of one cell."""
     ok = [r for r in rows if r["ok"]]
@@ -94,7 +84,7 @@ def summarize(rows: list[dict], target: str) -> dict:
     def worst(sel):
         return max((r["stack"] + r["local"] for r in sel), default=0)
 
-    strict = [r for r in ok if bound_of(r["label"]) == 0]
+    strict = [r for r in ok if spill_bound(r["label"]) == 0]
     ieee = [r for r in ok if r["label"].startswith("fp32/")]
     ragged = [r for r in ok if "/ragged/" in r["label"] and not r["label"].startswith("fp32/")]
     spilling = [r for r in ok if r["stack"] + r["local"] > 0]
@@ -106,8 +96,8 @@ def summarize(rows: list[dict], target: str) -> dict:
         "max_spill_ragged": worst(ragged),
         "max_shared": max((r["shared"] for r in ok), default=0),
         "over_shared": [r["label"] for r in ok if r["shared"] > LIMITS[target]],
-        "over_bound": [r for r in spilling if r["stack"] + r["local"] > bound_of(r["label"])],
-        "within_bound": [r for r in spilling if r["stack"] + r["local"] <= bound_of(r["label"])],
+        "over_bound": [r for r in spilling if r["stack"] + r["local"] > spill_bound(r["label"])],
+        "within_bound": [r for r in spilling if r["stack"] + r["local"] <= spill_bound(r["label"])],
     }
 
 
@@ -142,9 +132,9 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict]) -> str:
         }[level]
         + " The launches are reduced to distinct specializations (Triton's cache key).",
         "",
-        "Spill bounds (tests/test_aot_compile.py): 0 B for bf16 / fp16 / TF32 (and the TF32 teacher) at aligned "
-        f"shapes; at most {FP32_IEEE_SPILL_BOUND} B for fp32 IEEE (FMA dot, no tensor cores); at most "
-        f"{RAGGED_SPILL_BOUND} B at the ragged shapes (D = 2303 / 2047: rows not 16-byte aligned).",
+        "Spill bounds (`cce_dist.kernels.aot.spill_bound`, asserted by tests/test_aot_compile.py): 0 B for bf16 / "
+        "fp16 / TF32 (and the TF32 teacher) at every shape, the ragged ones (D = 2303 / 2047: rows not 16-byte "
+        f"aligned) included; at most {FP32_IEEE_SPILL_BOUND} B for fp32 IEEE (FMA dot, no tensor cores).",
         "",
         "| Triton | ptxas |",
         "|---|---|",

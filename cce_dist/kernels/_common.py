@@ -56,6 +56,14 @@ def check_inputs(interpret: bool, hidden: torch.Tensor, weight: torch.Tensor, bi
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devs))}")
 
 
+def rows_aligned(*tensors: torch.Tensor) -> bool:
+    """Every row of these ``[rows, D]`` tensors starts on a 16-byte boundary, contiguous along D: what the
+    compiler's divisibility specialization needs for vectorized / asynchronous loads (configs differ without it)."""
+    return all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1 for t in tensors
+    )
+
+
 def head_strides(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
     """The strides of :func:`logit_tile`'s HEAD as a launch passes them: ``(stride_hn, stride_hd, stride_wv,
     stride_wd, stride_b)`` of ``hidden [N, D]``, ``weight [V, D]`` and ``bias [V]`` (0 without a bias)."""

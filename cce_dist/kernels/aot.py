@@ -266,6 +266,20 @@ def backward_launches(
     return launches if len(launches) <= 2 or schedule != "chunked" else [launches[0], launches[-1]]
 
 
+#: Bytes of stack / local memory per thread a compiled launch of fp32 IEEE may use: the FMA dot (no tensor cores)
+#: holds its fp32 tiles in registers, and ptxas caps them at 128-255 registers by its own heuristics (8-32 B spilled
+#: across Triton 3.6-3.9, benchmarks/results/aot_spills.md; smaller tiles, more warps or ``maxnreg`` moved the spill
+#: between kernels rather than removing it). A correctness mode, not a fast one.
+FP32_IEEE_SPILL_BOUND = 32
+
+
+def spill_bound(label: str) -> int:
+    """The spill bound of a launch, by its matrix label (compute mode first): none on tensor cores (bf16, fp16, TF32,
+    at every shape, aligned rows or not), :data:`FP32_IEEE_SPILL_BOUND` for fp32 IEEE. tests/test_aot_compile.py
+    asserts it; ``benchmarks.aot_matrix`` reports against it."""
+    return FP32_IEEE_SPILL_BOUND if label.startswith("fp32/") else 0
+
+
 #: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
 PAPER_SHAPE = (8192, 2304, 256000)
 #: A shape with nothing divisible by 16 (the launcher then specializes without alignment hints).

@@ -315,6 +315,9 @@ def forward_candidates(
         cands = [c for c in cands if c.block_n * c.block_v <= 64 * 128]
     elif heavy:  # mma.sync: the accumulator in registers too; 8 warps over 64x64 (64x128 and 4-warp 64x64 spill)
         cands = [FwdConfig(64, 64, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3)]
+    if not aligned and props.mma == "mma":
+        # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
+        cands = [dataclasses.replace(c, num_warps=8) for c in cands]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 
@@ -345,7 +348,7 @@ def backward_config(
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
     ``ragged_rows``: the per-tile kernel on a token count that is not a multiple of 16 (no divisibility hint for N):
     its filtering epilogue then spilled 150-240 B with 128-wide vocab tiles on mma.sync and wgmma (Triton 3.6-3.9),
-    so it gets 64-wide ones there."""
+    and 160 B on tcgen05 (3.8 / 3.9, rows not 16-byte aligned either), so it gets 64-wide ones."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return SMALL_BWD
     heavy = softcap or filtering
@@ -401,7 +404,7 @@ def backward_config(
     else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
         # Triton 3.6 held the per-tile kernel to 128 registers with 64-wide gradient chunks and spilled 8 B (sm_120)
         cands = [BwdConfig(64, 128, 32, 32 if compiler < (3, 7) else 64, group_n=8, num_warps=8, num_stages=2)]
-    if filtering and ragged_rows and props.mma in ("mma", "wgmma"):
+    if filtering and ragged_rows:
         cands = [dataclasses.replace(c, block_v=min(c.block_v, 64)) for c in cands]
     for c in cands:
         if _fits(bwd_smem_estimate(c, dtype), props):

@@ -60,6 +60,7 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
+    rows_aligned,
     transform,
     use_libdevice,
 )
@@ -846,6 +847,7 @@ def distill_config(
     tf32: bool = True,
     deterministic: bool = False,
     compiler: tuple[int, int] | None = None,
+    aligned: bool = True,
 ) -> _config.BwdConfig:
     """The one config of all launches on ``props`` for the wider of the heads' compute dtypes
     ``dtype`` (fp32 when either head is fp32). Each program holds two logit tiles (and in the
@@ -859,11 +861,16 @@ def distill_config(
     128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher; 3.7: 16 B), so there (before 3.8) it
     gets 16-wide gradient
     chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels, which share the config,
-    spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md)."""
+    spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md). ``aligned``: every
+    head's rows start on 16-byte boundaries (:func:`._common.rows_aligned`); without it no load is vectorized and the
+    address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so the tiles are
+    64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
     if compiler is None:
         compiler = _config.triton_version()
+    if deterministic and props.mma == "mma" and not aligned:
+        return _config.BwdConfig(32, 64, 16, 16, group_n=8, num_warps=4, num_stages=2)
     if deterministic and props.mma == "mma":
         # the load-add-store epilogue next to both heads' tiles spilled at 64 x 64 on sm_120 (docs/design.md); Triton
         # 3.6 still spilled 8 B in the dH kernel (sm_80 / sm_86, every epilogue on): 16-wide gradient chunks there
@@ -874,6 +881,8 @@ def distill_config(
     if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 9):
         # TF32 gradients with 32-wide chunks spill before 3.9 (Triton 3.8: 16 B in the gradients kernel)
         c = dataclasses.replace(c, block_d_out=16)
+    if not aligned:
+        c = dataclasses.replace(c, block_v=min(c.block_v, 64), block_d=min(c.block_d, 32))
     return c
 
 
@@ -898,7 +907,7 @@ class _Launch:
             wide = torch.float32 if torch.float32 in (hs.dtype, ht.dtype) else hs.dtype
             # TF32 config only when every fp32 head runs its matmuls in TF32
             tf32 = all(p == "tf32" for p, dt in ((prec_s, hs.dtype), (prec_t, ht.dtype)) if dt == torch.float32)
-            self.cfg = distill_config(props, wide, tf32, deterministic)
+            self.cfg = distill_config(props, wide, tf32, deterministic, aligned=rows_aligned(hs, ws, ht, wt))
         self.props = props
         self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
         self.sizes = (self.n, self.v, self.ds, self.dt)

@@ -29,6 +29,7 @@ from ._common import (
     interp_bf16,
     interpreting,
     logit_tile,
+    rows_aligned,
     transform,
     transform_args,
     use_libdevice,
@@ -193,13 +194,6 @@ def _triton_config(c: _config.FwdConfig):
     )
 
 
-def _rows_aligned(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Rows of ``hidden`` and ``weight`` start on 16-byte boundaries (what the compiler's
-    divisibility specialization needs for vectorized loads)."""
-    e = hidden.element_size()
-    return all((t.data_ptr() % 16 == 0) and (t.stride(0) * e) % 16 == 0 and t.stride(1) == 1 for t in (hidden, weight))
-
-
 def _tuned_kernel(configs: list[_config.FwdConfig]):
     """The forward kernel wrapped in a small autotuner over ``configs`` (the candidates :func:`plan_row_stats` picked
     for the device, dtype, epilogue, statistics and alignment), one per distinct candidate list."""
@@ -225,7 +219,7 @@ def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: 
         hidden.dtype,
         precision == "tf32",
         has_softcap,
-        _rows_aligned(hidden, weight),
+        rows_aligned(hidden, weight),
         lean=lean,
         heavy=heavy,
     )
