@@ -314,7 +314,10 @@ def forward_candidates(
     elif heavy and props.mma == "tcgen05":
         cands = [c for c in cands if c.block_n * c.block_v <= 64 * 128]
     elif heavy:  # mma.sync: the accumulator in registers too; 8 warps over 64x64 (64x128 and 4-warp 64x64 spill)
-        cands = [FwdConfig(64, 64, 32 if dtype != torch.float32 else 16, num_warps=8, num_stages=3)]
+        # TF32 over 2 stages of its 16-wide chunks, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token
+        # count, Triton 3.9, benchmarks/results/aot_spills_pairs.md)
+        tf32_chunks = dtype == torch.float32
+        cands = [FwdConfig(64, 64, 16 if tf32_chunks else 32, num_warps=8, num_stages=2 if tf32_chunks else 3)]
     if not aligned and props.mma == "mma":
         # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
         cands = [dataclasses.replace(c, num_warps=8) for c in cands]

@@ -878,6 +878,11 @@ def distill_config(
     c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic, compiler=compiler)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
+    if props.mma == "mma" and dtype == torch.float32 and props.capability[0] >= 12:
+        # TF32 on sm_120 in 16-wide K chunks (two k=8 steps): 32-wide ones spilled 8 B at 255 registers in the
+        # statistics pass with both softcaps, a temperature and a hard label (Triton 3.9,
+        # benchmarks/results/aot_spills_pairs.md); on sm_80 / sm_86 16-wide ones spill 8-24 B instead
+        c = dataclasses.replace(c, block_d=16)
     if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 9):
         # TF32 gradients with 32-wide chunks spill before 3.9 (Triton 3.8: 16 B in the gradients kernel)
         c = dataclasses.replace(c, block_d_out=16)
