@@ -62,6 +62,7 @@ from ._common import (
     round_to,
     rows_aligned,
     transform,
+    transform_args,
     use_libdevice,
 )
 from .backward import swizzle
@@ -859,9 +860,8 @@ def distill_config(
     The spills these choices avoid: docs/design.md, "Distillation". ``compiler``: the Triton ``(major, minor)``
     that compiles the kernels (default: the installed one): Triton 3.6 held the TF32 gradient kernel on tcgen05 to
     128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher; 3.7: 16 B), so there (before 3.8) it
-    gets 16-wide gradient
-    chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels, which share the config,
-    spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md). ``aligned``: every
+    gets 16-wide gradient chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels,
+    which share the config, spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md). ``aligned``: every
     head's rows start on 16-byte boundaries (:func:`._common.rows_aligned`); without it no load is vectorized and the
     address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so the tiles are
     64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
@@ -898,8 +898,9 @@ class _Launch:
         self.n, self.ds = hs.shape
         self.v, self.dt = ws.shape[0], ht.shape[1]
         interpret = _INTERPRET
-        cap_s, cap_t = softcap
-        has_temp = temperature is not None and float(temperature) != 1.0
+        # the student's softcap with the shared temperature, the teacher's alone (transform's arguments)
+        has_cap_s, has_temp, cap_s, temp = transform_args(softcap[0], temperature)
+        has_cap_t, _no_temp, cap_t, _one = transform_args(softcap[1], None)
         prec_s = dot_precision(hs.dtype, interpret, allow_tf32)
         prec_t = dot_precision(ht.dtype, interpret, allow_tf32)
         if blocks is not None:
@@ -916,15 +917,14 @@ class _Launch:
         self.props = props
         self.tensors = (hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht)
         self.sizes = (self.n, self.v, self.ds, self.dt)
-        temp = float(temperature) if has_temp else 1.0
-        self.scalars = (float(cap_s) if cap_s else 1.0, float(cap_t) if cap_t else 1.0, temp)
+        self.scalars = (cap_s, cap_t, temp)
         self.strides = (*head_strides(hs, ws, bs), *head_strides(ht, wt, bt))
         c = self.cfg
         self.flags = dict(
             HAS_BS=bs is not None,
             HAS_BT=bt is not None,
-            HAS_CAP_S=bool(cap_s),
-            HAS_CAP_T=bool(cap_t),
+            HAS_CAP_S=has_cap_s,
+            HAS_CAP_T=has_cap_t,
             HAS_TEMP=has_temp,
             USE_LIBDEVICE=use_libdevice(interpret),
             PREC_S=prec_s,
