@@ -861,10 +861,10 @@ def distill_config(
     that compiles the kernels (default: the installed one): Triton 3.6 held the TF32 gradient kernel on tcgen05 to
     128 registers over 8 warps and spilled 32 B (the JSD with a TF32 teacher; 3.7: 16 B), so there (before 3.8) it
     gets 16-wide gradient chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels,
-    which share the config, spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md). ``aligned``: every
-    head's rows start on 16-byte boundaries (:func:`._common.rows_aligned`); without it no load is vectorized and the
-    address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so the tiles are
-    64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
+    which share the config, spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md).
+    ``aligned``: every head's rows start on 16-byte boundaries (:func:`._common.rows_aligned`); without it no load is
+    vectorized and the address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so
+    the tiles are 64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return _config.SMALL_BWD
     if compiler is None:
