@@ -26,10 +26,8 @@ Asserted per compiled kernel:
 - it compiles;
 - the shared memory it requests fits the target's per-block limit (else the launch fails with
   "out of resource");
-- no spills (stack + local bytes per thread == 0) for bf16 / fp16 / TF32, whose inner loops run on
-  tensor cores, at every shape (the unaligned one too); fp32 IEEE (FMA dot, no tensor cores) may use
-  at most ``kernels.aot.FP32_IEEE_SPILL_BOUND`` bytes (a correctness mode; a few words of stack are
-  the price of its register-held fp32 tiles): ``kernels.aot.spill_bound``;
+- no spills (stack + local bytes per thread == ``kernels.aot.SPILL_BOUND``, 0) in any compute mode (bf16 / fp16 /
+  TF32 on tensor cores, fp32 IEEE on the FMA dot), at every shape (the unaligned one too);
 - bf16 / fp16 use ``wgmma`` on sm_90 and ``tcgen05`` on sm_100 (else the kernel silently falls
   back to mma.sync at a fraction of the peak), and some tensor-core instruction on sm_80/86/120.
 """
@@ -101,7 +99,7 @@ def _compile(target: str, tmp_path: pathlib.Path, matrix: str = "main", triton: 
 @pytest.mark.timeout(1800)  # a cold cache compiles 20-30 kernels per target; warm: seconds
 @pytest.mark.parametrize("triton,target", CASES)
 def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path):
-    from cce_dist.kernels.aot import spill_bound
+    from cce_dist.kernels.aot import SPILL_BOUND
 
     rows = _compile(target, tmp_path, triton=triton)
     assert len(rows) >= 15, f"matrix too small for {target}: {len(rows)}"  # sanity: not silently emptied
@@ -120,7 +118,7 @@ def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path
         where = f"{r['label']} {c.get('BLOCK_N')}x{c.get('BLOCK_V')} w{r['num_warps']}s{r['num_stages']}"
         if r["shared"] > limit:
             problems.append(f"{where}: shared {r['shared']} B > {limit} B")
-        bound = spill_bound(r["label"])
+        bound = SPILL_BOUND
         if r["stack"] + r["local"] > bound:
             problems.append(f"{where}: spills {r['stack'] + r['local']} B/thread > {bound}")
         if mode in ("bf16", "fp16"):
@@ -133,12 +131,12 @@ def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path
     _assert_every_config_compiled(target, rows, triton)
 
 
-# The distillation kernels are held to the same bounds (kernels.aot.spill_bound): none with tensor cores (bf16 heads,
-# or a bf16 student with a TF32 teacher). Each program holds two logit tiles (and in the backward their softmax
-# terms) and reaches the 255-register ceiling with every epilogue on; with Triton 3.9, before the configs and the
-# code were adjusted, the JSD backward spilled 8 B on sm_90, the forward-KL statistics with a TF32 teacher 104 B on
-# sm_80, the deterministic kernels 8-40 B on sm_120 and the unaligned heads 24-320 B everywhere, so a regression
-# there shows.
+# The distillation kernels are held to the same bound (kernels.aot.SPILL_BOUND): none, with tensor cores (bf16 heads,
+# or a bf16 student with a TF32 teacher) or without (fp32 IEEE). Each program holds two logit tiles (and in the
+# backward their softmax terms) and reaches the 255-register ceiling with every epilogue on; with Triton 3.9, before
+# the configs and the code were adjusted, the JSD backward spilled 8 B on sm_90, the forward-KL statistics with a TF32
+# teacher 104 B on sm_80, the deterministic kernels 8-40 B on sm_120 and the unaligned heads 24-320 B everywhere, so a
+# regression there shows.
 
 
 @pytest.mark.timeout(1800)  # a cold cache compiles about 21 kernels per target; warm: seconds
@@ -149,7 +147,7 @@ def test_distill_kernels_compile_within_limits(triton, target, tmp_path):
     TF32, fp32 IEEE; every divergence and epilogue flag on and off) compiles for ``target`` with the config the
     launcher selects there, within its shared memory and the spill bounds above, on tensor cores where the dtype
     has them. The registers / spills of each kernel are printed (``pytest -s``)."""
-    from cce_dist.kernels.aot import spill_bound
+    from cce_dist.kernels.aot import SPILL_BOUND
 
     rows = _compile(target, tmp_path, "distill", triton)
     assert len(rows) >= 20, [r["label"] for r in rows]  # sanity: not silently emptied
@@ -166,7 +164,7 @@ def test_distill_kernels_compile_within_limits(triton, target, tmp_path):
         if r["shared"] > LIMITS[target]:
             problems.append(f"{where}: shared {r['shared']} B > {LIMITS[target]} B")
         fp32 = r["label"].startswith("fp32/")
-        bound = spill_bound(r["label"])
+        bound = SPILL_BOUND
         if spill > bound:
             problems.append(f"{where}: spills {spill} B/thread > {bound}")
         if not fp32:
@@ -196,15 +194,16 @@ def _assert_every_config_compiled(target: str, rows: list[dict], triton: str) ->
                 c.get("BLOCK_D_OUT"),
                 r["num_warps"],
                 r["num_stages"],
+                r.get("maxnreg"),
             )
         )
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
-        flags = (dict(), dict(softcap=True), dict(lean=True), dict(heavy=True))
+        flags = (dict(), dict(softcap=True), dict(lean=True), dict(heavy=True), dict(aligned=False))
         for c in (c for f in flags for c in C.forward_candidates(props, dtype, tf32, compiler=compiler, **f)):
-            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages))
+            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages, None))
     for c in C.all_backward_configs(props, compiler):
-        want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages))
+        want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages, c.maxnreg))
     missing = want - seen
     assert not missing, f"selectable on {target} but never compiled: {sorted(missing)}"
 
@@ -232,6 +231,86 @@ def test_selection_uses_reported_shared_memory_not_major():
     c = C.backward_config(small_hopper, torch.float32)
     assert C.bwd_smem_estimate(c, torch.float32) <= 101_376
     assert c != C.backward_config(p90, torch.float32)
+
+
+def _launch_config(kwargs: dict) -> tuple:
+    return tuple(kwargs.get(k) for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D", "BLOCK_D_OUT", "num_warps", "num_stages"))
+
+
+@pytest.fixture
+def planning_for_gpus(monkeypatch):
+    """The kernels' planners choose configs as on a GPU, not the interpreter's (conftest sets TRITON_INTERPRET for
+    this process): plans on meta tensors only, nothing is launched."""
+    from cce_dist.kernels import backward, distill, forward
+
+    for module in (forward, backward, distill):
+        monkeypatch.setattr(module, "_INTERPRET", False)
+
+
+def test_every_planner_picks_unaligned_configs_from_the_tensors(planning_for_gpus):
+    """Rows not 16-byte aligned (D = 2303 in bf16) are loaded through registers (no vectorized or asynchronous
+    copies), and on wgmma the 128-row tiles and 64-wide K chunks then spilled 8-1048 B (benchmarks/results/
+    aot_spills_pairs.md). The forward and the backward planners both read the alignment from the tensors
+    (``kernels._common.rows_aligned``); the backward's planner ignored it and launched the aligned tiles."""
+    import torch
+
+    from cce_dist.kernels import aot
+    from cce_dist.kernels import config as C
+
+    p90 = C.KNOWN_DEVICES["sm_90"]
+    for d, aligned in ((2304, True), (2303, False)):
+        fwd = {_launch_config(kw) for _k, _g, _a, kw in aot.forward_launches(p90, torch.bfloat16, 8192, d, 4096)}
+        want_fwd = {
+            (c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages)
+            for c in C.forward_candidates(p90, torch.bfloat16, aligned=aligned)
+        }
+        assert fwd == want_fwd, (d, fwd)
+        for schedule, det in (("chunked", False), ("owner", True), ("tiles", False)):
+            launches = aot.backward_launches(
+                p90, torch.bfloat16, 8192, d, 4096, schedule=schedule, deterministic=det, class_weights=True
+            )
+            c = C.backward_config(p90, torch.bfloat16, deterministic=det, class_weights=True, aligned=aligned)
+            for kernel, _grid, _args, kw in launches:
+                got = _launch_config(kw)
+                if kernel.fn.__name__ == "_dz_store_kernel":  # the chunked schedule's dz: no gradient chunks
+                    assert got == (c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages), (d, schedule)
+                elif kernel.fn.__name__ != "_grads_dh_kernel":  # the dH kernel may halve its token tile
+                    assert got == (c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages)
+    unaligned = C.backward_config(p90, torch.bfloat16, aligned=False)
+    assert (
+        (unaligned.block_n, unaligned.block_d)
+        == (64, 32)
+        != (
+            C.backward_config(p90, torch.bfloat16).block_n,
+            C.backward_config(p90, torch.bfloat16).block_d,
+        )
+    )
+    assert all((c.block_n, c.block_d) == (64, 32) for c in C.forward_candidates(p90, torch.float16, aligned=False))
+
+
+def test_distillation_on_mma_sync_before_triton_39_caps_registers_at_255(monkeypatch, planning_for_gpus):
+    """Before 3.9, ptxas held the distillation's kernels on mma.sync to 128-168 registers and spilled 8-24 B (sm_120,
+    Triton 3.6 / 3.8, the pairs level); narrower tiles only moved the spill. Their launches there carry
+    ``maxnreg=255`` (a launch option every supported Triton takes); Triton 3.9 and the other targets keep ptxas's own
+    cap. fp32 IEEE takes ``config.FP32_BWD`` (capped on every target)."""
+    import torch
+
+    from cce_dist.kernels import aot
+    from cce_dist.kernels import config as C
+
+    def options(target: str, compiler: tuple[int, int], **flags) -> set:
+        monkeypatch.setattr(C, "triton_version", lambda: compiler)
+        launches = aot.distill_launches(
+            C.KNOWN_DEVICES[target], (torch.bfloat16, torch.float32), 8192, 2048, 4096, 4096, **flags
+        )
+        return {kw.get("maxnreg") for _k, _g, _a, kw in launches}
+
+    for flags in (dict(), dict(deterministic=True, hard=True, softcap=(30.0, 50.0), temperature=0.7)):
+        for target in ("sm_80", "sm_86", "sm_120"):
+            for compiler in ((3, 6), (3, 7), (3, 8)):
+                assert options(target, compiler, **flags) == {255}, (target, compiler, flags)
+            assert options(target, (3, 9), **flags) == {None}, (target, flags)
+        assert options("sm_90", (3, 6), **flags) == {None}
 
 
 def test_splits_follow_the_launched_tile():
@@ -295,12 +374,23 @@ def test_cover_holds_every_pair_a_valid_flag_set_can_hold():
     assert len(rows) < len(full)
 
 
-def test_spill_bounds_hold_tensor_core_launches_to_zero():
-    """The bounds the tests above and benchmarks/results/aot_spills.md apply: nothing spilled on tensor cores at any
-    shape (the unaligned one included), a few words for fp32 IEEE only."""
-    from cce_dist.kernels.aot import FP32_IEEE_SPILL_BOUND, spill_bound
+def test_fp32_ieee_caps_registers_at_255():
+    """fp32 IEEE (no tensor cores) multiplies on the FMA dot with every fp32 operand in registers; ptxas's occupancy
+    heuristic held its 32 x 64 tiles to 128-168 registers and spilled 8-32 B (the owner-computes dH kernel, the
+    distillation's kernels: every Triton 3.6-3.9; the forward with every row output: 3.7 / 3.8), inside the 32 B
+    bound the AOT test then allowed. The forward takes :data:`config.FP32_FWD`, the backward and the distillation
+    :data:`config.FP32_BWD` (32 x 32 tiles), both with ``maxnreg=255``; they spill nowhere, so the bound is 0 B for
+    every compute mode."""
+    import torch
 
-    for mode in ("bf16", "fp16", "tf32", "bf16+tf32"):
-        for shape in ("paper", "ragged", "rows"):
-            assert spill_bound(f"{mode}/{shape}/bwd:plain/_grads_fused_kernel") == 0
-    assert spill_bound("fp32/ragged/distill:plain/_distill_stats_kernel") == FP32_IEEE_SPILL_BOUND <= 32
+    from cce_dist.kernels import config as C
+    from cce_dist.kernels.aot import SPILL_BOUND
+    from cce_dist.kernels.distill import distill_config
+
+    assert SPILL_BOUND == 0
+    for props in C.KNOWN_DEVICES.values():
+        for compiler in ((3, 6), (3, 9)):
+            assert C.backward_config(props, torch.float32, tf32=False, compiler=compiler) == C.FP32_BWD
+            assert distill_config(props, torch.float32, tf32=False, compiler=compiler) == C.FP32_BWD
+            assert C.forward_candidates(props, torch.float32, tf32=False, compiler=compiler) == [C.FP32_FWD]
+    assert C.FP32_BWD.maxnreg == C.FP32_FWD.maxnreg == 255 and C.FP32_BWD.block_v == 32

@@ -69,6 +69,7 @@ class Compiled:
     atomics: int  # atom/red instructions in the PTX (static count)
     constexprs: dict
     dtype: str = ""  # element type of the hidden states ('bf16', 'fp16', 'fp32')
+    maxnreg: int | None = None  # the launch's register cap (None: ptxas's own)
 
     @property
     def spill(self) -> int:
@@ -146,6 +147,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
             str(k): (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in kwargs.items() if k.isupper()
         },
         dtype=str(signature.get("H", "")).lstrip("*"),
+        maxnreg=kwargs.get("maxnreg"),
     )
     # Atomically (temp file, then rename): concurrent compiles of the same kernel may share the cache.
     tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")
@@ -207,6 +209,7 @@ def forward_launches(
             BLOCK_D=c.block_d,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
+            **({} if c.maxnreg is None else {"maxnreg": c.maxnreg}),
         )
         out.append((_fwd._row_stats_kernel, (triton.cdiv(n, c.block_n), splits_of(c)), args, kw))
     return out
@@ -266,18 +269,11 @@ def backward_launches(
     return launches if len(launches) <= 2 or schedule != "chunked" else [launches[0], launches[-1]]
 
 
-#: Bytes of stack / local memory per thread a compiled launch of fp32 IEEE may use: the FMA dot (no tensor cores)
-#: holds its fp32 tiles in registers, and ptxas caps them at 128-255 registers by its own heuristics (8-32 B spilled
-#: across Triton 3.6-3.9, benchmarks/results/aot_spills.md; smaller tiles, more warps or ``maxnreg`` moved the spill
-#: between kernels rather than removing it). A correctness mode, not a fast one.
-FP32_IEEE_SPILL_BOUND = 32
-
-
-def spill_bound(label: str) -> int:
-    """The spill bound of a launch, by its matrix label (compute mode first): none on tensor cores (bf16, fp16, TF32,
-    at every shape, aligned rows or not), :data:`FP32_IEEE_SPILL_BOUND` for fp32 IEEE. tests/test_aot_compile.py
-    asserts it; ``benchmarks.aot_matrix`` reports against it."""
-    return FP32_IEEE_SPILL_BOUND if label.startswith("fp32/") else 0
+#: Bytes of stack / local memory per thread a compiled launch may use: none, for every compute mode (bf16, fp16, TF32
+#: and fp32 IEEE, whose FMA dot holds its fp32 tiles in registers: :data:`.config.FP32_BWD`), at every shape (rows
+#: not 16-byte aligned and token counts not a multiple of 16 included). tests/test_aot_compile.py asserts it;
+#: ``benchmarks.aot_matrix`` reports against it.
+SPILL_BOUND = 0
 
 
 #: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
@@ -609,7 +605,7 @@ def _label(family: Family, axes: dict[str, tuple], row: dict) -> str:
 
 def _config_of(kernel, kwargs: dict) -> tuple:
     c = {k: kwargs.get(k) for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D", "BLOCK_D_OUT")}
-    return (kernel.fn.__name__, *c.values(), kwargs.get("num_warps"), kwargs.get("num_stages"))
+    return (kernel.fn.__name__, *c.values(), kwargs.get("num_warps"), kwargs.get("num_stages"), kwargs.get("maxnreg"))
 
 
 def _traits(launches: list) -> set:

@@ -85,6 +85,7 @@ from ._common import (
     logit_tile,
     mma,
     round_to,
+    rows_aligned,
     transform,
     transform_args,
     use_libdevice,
@@ -742,7 +743,7 @@ def _log_plan(schedule, why, hidden, weight, blocks, launch, max_rows, bias) -> 
         extra = f", chunks of {nc} rows x {vc} columns, {gemm} GEMMs"
     logger.debug(
         "cce_dist backward: schedule=%s (%s); N=%d V_local=%d D=%d %s; blocks (N, V, D, D_out)=%s, "
-        "(group_n, warps, stages)=%s%s",
+        "(group_n, warps, stages, maxnreg)=%s%s",
         schedule,
         why,
         n,
@@ -781,12 +782,12 @@ def _outputs(schedule: str, n: int, d: int, v: int, device, need_hidden: bool, n
     return dh, dw, db
 
 
-def _tuning(hidden, schedule, props, precision, has_softcap, filt, class_weights, blocks):
-    """``(blocks, (group_n, warps, stages), props)``: the tile sizes ``(BLOCK_N, BLOCK_V, BLOCK_D,
+def _tuning(hidden, weight, schedule, props, precision, has_softcap, filt, class_weights, blocks):
+    """``(blocks, (group_n, warps, stages, maxnreg), props)``: the tile sizes ``(BLOCK_N, BLOCK_V, BLOCK_D,
     BLOCK_D_OUT)`` and launch parameters from ``_blocks`` (tests), the interpreter's config or
     :func:`.config.backward_config` for ``props`` (the tensors' CUDA device when None)."""
     if blocks is not None:
-        return tuple(blocks), (2, 4, 2), props
+        return tuple(blocks), (2, 4, 2, None), props
     if _INTERPRET:
         c = _config.INTERPRET_BWD
     else:
@@ -801,8 +802,9 @@ def _tuning(hidden, schedule, props, precision, has_softcap, filt, class_weights
             deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
             class_weights=class_weights,
             ragged_rows=schedule == "tiles" and hidden.shape[0] % 16 != 0,
+            aligned=rows_aligned(hidden, weight),
         )
-    return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages), props
+    return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages, c.maxnreg), props
 
 
 def _kernel_args(
@@ -932,12 +934,22 @@ def plan_grads(
 
     has_softcap = transform_args(softcap, temperature)[0]
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
-    blocks, (group_n, warps, stages), props = _tuning(
-        hidden, schedule, props, precision, has_softcap, filter_eps is not None, gamma_weights is not None, _blocks
+    blocks, (group_n, warps, stages, maxnreg), props = _tuning(
+        hidden,
+        weight,
+        schedule,
+        props,
+        precision,
+        has_softcap,
+        filter_eps is not None,
+        gamma_weights is not None,
+        _blocks,
     )
     launch = {} if _INTERPRET else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+    if maxnreg is not None and not _INTERPRET:
+        launch["maxnreg"] = maxnreg
     if logger.isEnabledFor(logging.DEBUG):
-        _log_plan(schedule, why, hidden, weight, blocks, (group_n, warps, stages), _chunk_rows, bias)
+        _log_plan(schedule, why, hidden, weight, blocks, (group_n, warps, stages, maxnreg), _chunk_rows, bias)
     common, scalars, flags = _kernel_args(
         hidden,
         weight,

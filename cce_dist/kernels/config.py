@@ -140,6 +140,8 @@ class FwdConfig:
     block_d: int
     num_warps: int = 4
     num_stages: int = 2
+    #: ptxas's register cap per thread (the launch option ``maxnreg``); None: ptxas's own occupancy heuristic
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ class BwdConfig:
     group_n: int = 8  # L2 swizzle of the fused kernel's (token tile, vocab tile) grid
     num_warps: int = 4
     num_stages: int = 2
+    #: ptxas's register cap per thread (the launch option ``maxnreg``); None: ptxas's own occupancy heuristic
+    maxnreg: int | None = None
 
 
 # Interpreter: tiny tiles, chosen so that the test shapes (N <= 33, V_local <= 100, D <= 40)
@@ -239,6 +243,15 @@ def chunk_shape(
 #: dot: small tiles keep the fp32 operands in registers without spilling).
 SMALL_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2)
 SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
+#: The forward's config for fp32 IEEE (and GPUs without tensor cores): with ptxas's own register cap the FMA dot's
+#: 32 x 64 tiles spilled 8 B with every statistic and row output on (sm_100, Triton 3.7 / 3.8); capped at 255 they
+#: spill nowhere (benchmarks/results/aot_spills_pairs.md).
+FP32_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2, maxnreg=255)
+#: The backward's and the distillation's config for fp32 IEEE (and GPUs without tensor cores): the FMA dot holds
+#: every fp32 operand in registers, and ptxas held the 32 x 64 tiles to 128-168 registers by its occupancy heuristic
+#: and spilled 8-32 B (the owner-computes dH kernel with every epilogue; the distillation's kernels, every Triton
+#: 3.6-3.9). 32 x 32 tiles with the register cap at 255 spill nowhere (benchmarks/results/aot_spills_pairs.md).
+FP32_BWD = BwdConfig(32, 32, 16, 32, group_n=8, num_warps=4, num_stages=2, maxnreg=255)
 
 
 def forward_candidates(
@@ -256,7 +269,8 @@ def forward_candidates(
     ``tf32``: fp32 inputs with TF32 matmuls allowed (otherwise fp32 uses no tensor cores).
     ``softcap``: the tanh epilogue needs a few more registers (drops 64x256 on tcgen05).
     ``aligned``: rows of H and W start on 16-byte boundaries; unaligned rows get no vectorized /
-    async loads and more address registers, so 256-wide vocab tiles are dropped.
+    async loads and more address registers, so 256-wide vocab tiles are dropped (on wgmma / tcgen05 one
+    64 x 128 x 32 candidate is left; on mma.sync the candidates run over 8 warps).
     ``lean``: the kernel skips the SUM / ENTROPY statistics (the cross-entropy without label
     smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
     (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90.
@@ -265,7 +279,7 @@ def forward_candidates(
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
     version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return [SMALL_FWD]
+        return [FP32_FWD]
     if compiler is None:
         compiler = triton_version()
     bd = 64 if dtype != torch.float32 else 32
@@ -314,13 +328,18 @@ def forward_candidates(
     elif heavy and props.mma == "tcgen05":
         cands = [c for c in cands if c.block_n * c.block_v <= 64 * 128]
     elif heavy:  # mma.sync: the accumulator in registers too; 8 warps over 64x64 (64x128 and 4-warp 64x64 spill)
-        # TF32 over 2 stages of its 16-wide chunks, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token
-        # count, Triton 3.9, benchmarks/results/aot_spills_pairs.md)
-        tf32_chunks = dtype == torch.float32
-        cands = [FwdConfig(64, 64, 16 if tf32_chunks else 32, num_warps=8, num_stages=2 if tf32_chunks else 3)]
+        # in 16-wide K chunks: with 32, ptxas held a token count not a multiple of 16 to 128 registers and spilled 8 B
+        # on sm_120 (fp16 with argmax + sumsq, Triton 3.9; bf16 with sumsq, 3.6; benchmarks/results/aot_spills_pairs.md)
+        # TF32 over 2 stages, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token count, Triton 3.9)
+        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3)]
     if not aligned and props.mma == "mma":
         # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
         cands = [dataclasses.replace(c, num_warps=8) for c in cands]
+    elif not aligned:
+        # wgmma / tcgen05 without vectorized or asynchronous loads (the operands pass through registers): 128-row tiles
+        # and 64-wide K chunks spilled 16-1048 B there (sm_90 / sm_100, Triton 3.6 and 3.9, every pair of flags:
+        # benchmarks/results/aot_spills_pairs.md); 64 x 128 tiles in 32-wide chunks over two warpgroups do not
+        cands = [FwdConfig(64, 128, 32, num_warps=8, num_stages=3)]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 
@@ -336,6 +355,7 @@ def backward_config(
     class_weights: bool = False,
     compiler: tuple[int, int] | None = None,
     ragged_rows: bool = False,
+    aligned: bool = True,
 ) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
     why it is not tuned): the first candidate whose shared memory fits.
@@ -351,9 +371,16 @@ def backward_config(
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
     ``ragged_rows``: the per-tile kernel on a token count that is not a multiple of 16 (no divisibility hint for N):
     its filtering epilogue then spilled 150-240 B with 128-wide vocab tiles on mma.sync and wgmma (Triton 3.6-3.9),
-    and 160 B on tcgen05 (3.8 / 3.9, rows not 16-byte aligned either), so it gets 64-wide ones."""
+    and 160 B on tcgen05 (3.8 / 3.9, rows not 16-byte aligned either), so it gets 64-wide ones.
+    ``aligned``: every row of H and W starts on a 16-byte boundary (:func:`._common.rows_aligned`). Without it
+    bf16 / fp16 on wgmma / tcgen05 load their operands through registers (no vectorized or asynchronous copies): the
+    128-row tiles and 64-wide chunks spilled 8-704 B there (the chunked dz kernel with class weights, the
+    owner-computes dH / dW kernels; sm_90 / sm_100, Triton 3.6 and 3.9), so every schedule gets the 64 x 64 tiles and
+    32-wide chunks of the deterministic softcap kernels, which spill nowhere."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return SMALL_BWD
+        return FP32_BWD
+    if not aligned and props.mma in ("wgmma", "tcgen05") and dtype != torch.float32:
+        return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
     heavy = softcap or filtering
     if compiler is None:
         compiler = triton_version()
@@ -424,9 +451,9 @@ def all_backward_configs(props: DeviceProps, compiler: tuple[int, int] | None = 
             for sc in (False, True):
                 for flt in (False, True):
                     for det in (False, True):
-                        for cw, rr in itertools.product((False, True), (False, True)):
+                        for cw, rr, al in itertools.product((False, True), repeat=3):
                             flags = dict(softcap=sc, filtering=flt, deterministic=det, class_weights=cw, ragged_rows=rr)
-                            out.add(backward_config(props, dtype, tf32=tf32, compiler=compiler, **flags))
+                            out.add(backward_config(props, dtype, tf32=tf32, compiler=compiler, aligned=al, **flags))
     return out
 
 

@@ -866,9 +866,25 @@ def distill_config(
     vectorized and the address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so
     the tiles are 64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return _config.SMALL_BWD
+        return _config.FP32_BWD
     if compiler is None:
         compiler = _config.triton_version()
+    c = _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned)
+    if props.mma == "mma" and compiler < (3, 9):
+        # Before 3.9, ptxas held the kernels to 128-168 registers on mma.sync and spilled 8-24 B on sm_120 (Triton 3.6:
+        # the deterministic dH / dW kernels with both softcaps, a temperature and a hard label; 3.6 / 3.8: the bf16
+        # student with a TF32 teacher); narrower tiles and chunks, or more warps, only moved the spill. The cap at 255
+        # lets it keep them in registers (benchmarks/results/aot_spills_pairs.md).
+        c = dataclasses.replace(c, maxnreg=255)
+        if props.capability[0] >= 12 and dtype != torch.float32:
+            # and the 16-bit statistics pass with both softcaps, a temperature and a hard label spilled 8-32 B at 255
+            # registers with 128-wide vocab tiles (sm_120, Triton 3.7 / 3.8)
+            c = dataclasses.replace(c, block_v=min(c.block_v, 64))
+    return c
+
+
+def _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned) -> _config.BwdConfig:
+    """:func:`distill_config`'s tiles, chunks, warps and stages."""
     if deterministic and props.mma == "mma" and not aligned:
         return _config.BwdConfig(32, 64, 16, 16, group_n=8, num_warps=4, num_stages=2)
     if deterministic and props.mma == "mma":
@@ -884,8 +900,17 @@ def distill_config(
         # benchmarks/results/aot_spills_pairs.md); on sm_80 / sm_86 16-wide ones spill 8-24 B instead
         c = dataclasses.replace(c, block_d=16)
     if props.mma == "tcgen05" and dtype == torch.float32 and not deterministic and compiler < (3, 9):
-        # TF32 gradients with 32-wide chunks spill before 3.9 (Triton 3.8: 16 B in the gradients kernel)
-        c = dataclasses.replace(c, block_d_out=16)
+        # TF32 gradients with 32-wide chunks spill before 3.9 (Triton 3.8: 16 B in the gradients kernel); with 3.8 the
+        # reverse-KL statistics with every epilogue on (a bf16 student, a TF32 teacher) spilled 16 B at 255 registers
+        # with 128-wide vocab tiles (16-wide K chunks instead spilled 16-32 B in the other statistics passes)
+        c = dataclasses.replace(c, block_d_out=16, block_v=64 if compiler == (3, 8) else c.block_v)
+    if props.mma == "tcgen05" and dtype != torch.float32 and compiler == (3, 6):
+        # Triton 3.6 spilled 8-16 B in the JSD's statistics pass with 64-wide K chunks (sm_100, bf16 / fp16)
+        c = dataclasses.replace(c, block_d=min(c.block_d, 32))
+    if props.mma == "tcgen05" and dtype != torch.float32 and compiler == (3, 7):
+        # Triton 3.7 held that pass to 128 registers and spilled 32 B (fp16); 32-wide chunks spilled 8-32 B in other
+        # kernels there, the cap at 255 nowhere
+        c = dataclasses.replace(c, maxnreg=255)
     if not aligned:
         c = dataclasses.replace(c, block_v=min(c.block_v, 64), block_d=min(c.block_d, 32))
     return c
@@ -938,7 +963,12 @@ class _Launch:
         self.options = (
             {}
             if interpret
-            else dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)
+            else dict(
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+                enable_fp_fusion=_config.ENABLE_FP_FUSION,
+                **({} if c.maxnreg is None else {"maxnreg": c.maxnreg}),
+            )
         )
 
     def splits(self, forced: int | None) -> int:

@@ -191,6 +191,7 @@ def _triton_config(c: _config.FwdConfig):
         {"BLOCK_N": c.block_n, "BLOCK_V": c.block_v, "BLOCK_D": c.block_d},
         num_warps=c.num_warps,
         num_stages=c.num_stages,
+        maxnreg=c.maxnreg,
     )
 
 
@@ -395,6 +396,8 @@ def row_stats(
         c = configs[0]
         splits = splits_of(c)
         launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        if c.maxnreg is not None and not _INTERPRET:
+            launch["maxnreg"] = c.maxnreg
         with device_guard(device):
             _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
                 *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
