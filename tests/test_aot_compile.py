@@ -201,7 +201,7 @@ def _assert_every_config_compiled(target: str, rows: list[dict], triton: str) ->
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
         flags = (dict(), dict(softcap=True), dict(lean=True), dict(heavy=True), dict(aligned=False))
         for c in (c for f in flags for c in C.forward_candidates(props, dtype, tf32, compiler=compiler, **f)):
-            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages, None))
+            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages, c.maxnreg))
     for c in C.all_backward_configs(props, compiler):
         want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages, c.maxnreg))
     missing = want - seen
