@@ -273,7 +273,8 @@ def forward_candidates(
     64 x 128 x 32 candidate is left; on mma.sync the candidates run over 8 warps).
     ``lean``: the kernel skips the SUM / ENTROPY statistics (the cross-entropy without label
     smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
-    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90.
+    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90 (without a bias:
+    :func:`.forward.plan_row_stats` does not ask for it with one).
     ``heavy``: the row outputs' ARGMAX / SUMSQ too (two more running values and a per-tile argmax): tiles of more
     than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
