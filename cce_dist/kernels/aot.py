@@ -209,7 +209,7 @@ def forward_launches(
             BLOCK_D=c.block_d,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
-            **({} if c.maxnreg is None else {"maxnreg": c.maxnreg}),
+            **_config.register_cap(c),
         )
         out.append((_fwd._row_stats_kernel, (triton.cdiv(n, c.block_n), splits_of(c)), args, kw))
     return out

@@ -157,6 +157,11 @@ class BwdConfig:
     maxnreg: int | None = None
 
 
+def register_cap(c: FwdConfig | BwdConfig) -> dict:
+    """The launch option of ``c``'s register cap: ``{"maxnreg": c.maxnreg}``, or nothing (ptxas's own heuristic)."""
+    return {} if c.maxnreg is None else {"maxnreg": c.maxnreg}
+
+
 # Interpreter: tiny tiles, chosen so that the test shapes (N <= 33, V_local <= 100, D <= 40)
 # cover several token tiles, several vocab tiles, ragged last tiles and a ragged D loop.
 INTERPRET_FWD = FwdConfig(block_n=16, block_v=32, block_d=16)

@@ -967,7 +967,7 @@ class _Launch:
                 num_warps=c.num_warps,
                 num_stages=c.num_stages,
                 enable_fp_fusion=_config.ENABLE_FP_FUSION,
-                **({} if c.maxnreg is None else {"maxnreg": c.maxnreg}),
+                **_config.register_cap(c),
             )
         )
 

@@ -397,9 +397,7 @@ def row_stats(
     else:
         c = configs[0]
         splits = splits_of(c)
-        launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages)
-        if c.maxnreg is not None and not _INTERPRET:
-            launch["maxnreg"] = c.maxnreg
+        launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages, **_config.register_cap(c))
         with device_guard(device):
             _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
                 *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
