@@ -252,6 +252,10 @@ SMALL_BWD = BwdConfig(32, 64, 16, 32, group_n=8, num_warps=4, num_stages=2)
 #: 32 x 64 tiles spilled 8 B with every statistic and row output on (sm_100, Triton 3.7 / 3.8); capped at 255 they
 #: spill nowhere (benchmarks/results/aot_spills_pairs.md).
 FP32_FWD = FwdConfig(32, 64, 16, num_warps=4, num_stages=2, maxnreg=255)
+#: ... and with the row outputs (ARGMAX / SUMSQ): over 4 warps, with every statistic and row output at rows not
+#: 16-byte aligned, 8 B spilled at 255 registers (sm_90, Triton 3.9, the forward's whole flag product); 8 warps
+#: over the same tile hold at most 230.
+FP32_FWD_HEAVY = dataclasses.replace(FP32_FWD, num_warps=8)
 #: The backward's and the distillation's config for fp32 IEEE (and GPUs without tensor cores): the FMA dot holds
 #: every fp32 operand in registers, and ptxas held the 32 x 64 tiles to 128-168 registers by its occupancy heuristic
 #: and spilled 8-32 B (the owner-computes dH kernel with every epilogue; the distillation's kernels, every Triton
@@ -285,7 +289,7 @@ def forward_candidates(
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
     version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return [FP32_FWD]
+        return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
         compiler = triton_version()
     bd = 64 if dtype != torch.float32 else 32
@@ -309,10 +313,12 @@ def forward_candidates(
         if softcap:
             cands = [c for c in cands if c.block_v < 256]
     elif props.mma == "wgmma":
+        # the one-warpgroup 64x128 tile over 3 stages with a softcap: over 4, ptxas spilled 8 B at 255 registers with
+        # a softcap and SUM but no ENTROPY (sm_90, Triton 3.9, the forward's whole flag product); over 3, 233
         cands = [
             FwdConfig(128, 128, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
-            FwdConfig(64, 128, bd, num_warps=4, num_stages=4),
+            FwdConfig(64, 128, bd, num_warps=4, num_stages=3 if softcap else 4),
         ]
         if lean and not softcap and dtype != torch.float32:
             # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
