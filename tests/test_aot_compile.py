@@ -353,25 +353,49 @@ def test_flag_axes_come_from_the_planners_signatures():
     assert {"divergence", "hard", "bs", "bt", "deterministic"} <= set(aot.FAMILIES["distill"].axes())
 
 
-def test_cover_holds_every_pair_a_valid_flag_set_can_hold():
-    """``kernels.aot.cover`` at strength 2: every pair of (axis, value) that some valid flag set holds occurs in a
-    chosen flag set, no chosen flag set is invalid, and the pair no valid flag set holds is dropped."""
+@pytest.mark.parametrize("strength", [2, 3])
+def test_cover_holds_every_tuple_a_valid_flag_set_can_hold(strength):
+    """``kernels.aot.cover`` at strength 2 (the ``pairs`` level) and 3 (``triples``): every pair / triple of (axis,
+    value) that some valid flag set holds occurs in a chosen flag set, no chosen flag set is invalid, and the tuples
+    no valid flag set holds are dropped."""
     import itertools
 
     from cce_dist.kernels import aot
 
-    axes = {"a": (False, True), "b": (False, True), "s": ("x", "y", "z"), "c": (None, 1.0)}
+    axes = {"a": (False, True), "b": (False, True), "s": ("x", "y", "z"), "c": (None, 1.0), "d": (False, True)}
 
     def valid(r):
         return not (r["a"] and r["s"] == "y")  # like deterministic with the tiles schedule
 
-    rows = aot.cover(axes, 2, valid, seeds=[])
+    rows = aot.cover(axes, strength, valid, seeds=[])
     assert all(valid(r) for r in rows)
     full = [dict(zip(axes, v)) for v in itertools.product(*axes.values())]
-    for n, m in itertools.combinations(axes, 2):
-        want = {(r[n], r[m]) for r in full if valid(r)}
-        assert want == {(r[n], r[m]) for r in rows}, (n, m)
+    for combo in itertools.combinations(axes, strength):
+        want = {tuple(r[n] for n in combo) for r in full if valid(r)}
+        assert want == {tuple(r[n] for n in combo) for r in rows}, combo
     assert len(rows) < len(full)
+
+
+def test_triples_level_seeds_every_feature_at_every_shape_and_mode():
+    """The ``triples`` level holds, besides every triple of flag values, the flag set with every feature on (and
+    the plain one) of each mode at each shape: fp32 IEEE spilled with every row output only at the unaligned shape,
+    a 4-way interaction a strength-3 cover alone need not hold. Its flag sets include the ``pairs`` level's seeds."""
+    import math
+
+    from cce_dist.kernels import aot
+    from cce_dist.kernels import config as C
+
+    props = C.KNOWN_DEVICES["sm_90"]
+    family = aot.FAMILIES["fwd"]
+    axes = family.axes()
+    rows = aot.flag_sets(family, props, "triples")
+    heavy = {k: v[-1] for k, v in axes.items() if k not in ("mode", "shape")}
+    for mode in axes["mode"]:
+        for shape in axes["shape"]:
+            assert {**heavy, "mode": mode, "shape": shape} in rows, (mode, shape)
+    for seed in aot._seeds(family, axes, "pairs"):
+        assert seed in rows
+    assert len(rows) < math.prod(len(v) for v in axes.values()) // 10
 
 
 def test_fp32_ieee_caps_registers_at_255():
@@ -393,4 +417,26 @@ def test_fp32_ieee_caps_registers_at_255():
             assert C.backward_config(props, torch.float32, tf32=False, compiler=compiler) == C.FP32_BWD
             assert distill_config(props, torch.float32, tf32=False, compiler=compiler) == C.FP32_BWD
             assert C.forward_candidates(props, torch.float32, tf32=False, compiler=compiler) == [C.FP32_FWD]
-    assert C.FP32_BWD.maxnreg == C.FP32_FWD.maxnreg == 255 and C.FP32_BWD.block_v == 32
+            # with the row outputs, 8 warps over the tile: 4 spilled 8 B at 255 registers (rows not 16-byte
+            # aligned, every statistic and row output; sm_90, Triton 3.9, the forward's whole flag product)
+            heavy = C.forward_candidates(props, torch.float32, tf32=False, heavy=True, compiler=compiler)
+            assert heavy == [C.FP32_FWD_HEAVY]
+    assert C.FP32_BWD.maxnreg == C.FP32_FWD.maxnreg == C.FP32_FWD_HEAVY.maxnreg == 255 and C.FP32_BWD.block_v == 32
+    assert C.FP32_FWD_HEAVY.num_warps == 8 and C.FP32_FWD_HEAVY.block_v == C.FP32_FWD.block_v
+
+
+def test_wgmma_forward_with_a_softcap_runs_one_warpgroup_tiles_over_3_stages():
+    """The one-warpgroup 64 x 128 wgmma candidate over 4 stages spilled 8 B at 255 registers with a softcap and SUM
+    but no ENTROPY (bf16, sm_90, Triton 3.9: found by compiling the forward's whole flag product, which no covering
+    level reached); over 3 stages it holds 233. Without a softcap it keeps its 4 stages."""
+    import torch
+
+    from cce_dist.kernels import config as C
+
+    p90 = C.KNOWN_DEVICES["sm_90"]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for compiler in ((3, 6), (3, 9)):
+            one = [c for c in C.forward_candidates(p90, dtype, softcap=True, compiler=compiler) if c.num_warps == 4]
+            assert [(c.block_n, c.block_v, c.num_stages) for c in one] == [(64, 128, 3)]
+            plain = [c for c in C.forward_candidates(p90, dtype, compiler=compiler) if c.num_warps == 4]
+            assert [(c.block_n, c.block_v, c.num_stages) for c in plain] == [(64, 128, 4)]

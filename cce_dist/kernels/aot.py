@@ -511,28 +511,41 @@ FAMILIES = {
     ),
 }
 #: ``--matrix`` names: which families.
-MATRICES = {"main": ("fwd", "bwd"), "distill": ("distill",), "all": ("fwd", "bwd", "distill")}
-#: ``--level``: how the flag sets are chosen. ``full``: the whole product of the axes. ``pairs``: a covering set in
-#: which every pair of (axis, value) that some launch can have occurs together (strength 2). ``each``: every (axis,
-#: value) occurs (strength 1). Both also hold seeds (:func:`_seeds`: the ``heavy`` flag set, every feature on, of
-#: the first mode; for ``pairs`` of each mode, the ``plain`` one too, and both per schedule and per divergence) and
-#: one flag set for each config the product selects that they do not already reach.
-LEVELS = ("each", "pairs", "full")
+MATRICES = {
+    "main": ("fwd", "bwd"),
+    "distill": ("distill",),
+    "all": ("fwd", "bwd", "distill"),
+    **{name: (name,) for name in ("fwd", "bwd")},
+}
+#: ``--level``: how the flag sets are chosen. ``full``: the whole product of the axes. ``triples``: a covering set
+#: in which every triple of (axis, value) that some launch can have occurs together (strength 3). ``pairs``: every
+#: pair (strength 2). ``each``: every (axis, value) occurs (strength 1). All but ``full`` also hold seeds
+#: (:func:`_seeds`: the ``heavy`` flag set, every feature on, of the first mode; for ``pairs`` of each mode, the
+#: ``plain`` one too, and both per schedule and per divergence; for ``triples`` those at every shape) and one flag
+#: set for each config the product selects that they do not already reach.
+LEVELS = ("each", "pairs", "triples", "full")
+#: The covering strength of each covering level (``each`` is a subset of ``pairs``: :func:`flag_sets`).
+_STRENGTH = {"pairs": 2, "triples": 3}
 
 
 def _seeds(family: Family, axes: dict[str, tuple], level: str) -> list[dict]:
     """``pairs``: the ``plain`` and ``heavy`` flag sets of each mode at the paper shape, per schedule (backward) and
-    per divergence (distillation); ``each``: the ``heavy`` one of the first mode (bf16)."""
-    per = {"bwd": "_schedule", "distill": "divergence"}.get(family.name) if level == "pairs" else None
+    per divergence (distillation); ``triples``: those at every shape; ``each``: the ``heavy`` one of the first mode
+    (bf16) at the paper shape."""
+    per = {"bwd": "_schedule", "distill": "divergence"}.get(family.name) if level != "each" else None
+    shapes = axes["shape"] if level == "triples" else axes["shape"][:1]
     out = []
-    for mode in axes["mode"] if level == "pairs" else axes["mode"][:1]:
-        for kind in ("plain", "heavy") if level == "pairs" else ("heavy",):
-            for extra in axes[per] if per else (None,):
-                row = {n: (vals[0] if kind == "plain" or n in OUTPUT_AXES else vals[-1]) for n, vals in axes.items()}
-                row.update(mode=mode, shape=axes["shape"][0])
-                if per:
-                    row[per] = extra
-                out.append(row)
+    for mode in axes["mode"] if level != "each" else axes["mode"][:1]:
+        for shape in shapes:
+            for kind in ("plain", "heavy") if level != "each" else ("heavy",):
+                for extra in axes[per] if per else (None,):
+                    row = {
+                        n: (vals[0] if kind == "plain" or n in OUTPUT_AXES else vals[-1]) for n, vals in axes.items()
+                    }
+                    row.update(mode=mode, shape=shape)
+                    if per:
+                        row[per] = extra
+                    out.append(row)
     return out
 
 
@@ -620,11 +633,11 @@ def _traits(launches: list) -> set:
 def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[dict]:
     """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
 
-    ``pairs``: the strength-2 cover with its seeds, then a scan of the product at the paper and rows shapes adding
-    the first flag set that reaches a config or a (kernel, constexpr, value) not reached yet. ``each``: a subset of
-    those rows, chosen greedily, that still reaches every (axis, value), every config and every (kernel, constexpr,
-    value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some kernel), with the ``heavy`` seed
-    first."""
+    ``pairs`` (``triples``): the strength-2 (3) cover with its seeds, then a scan of the product at the paper and
+    rows shapes adding the first flag set that reaches a config or a (kernel, constexpr, value) not reached yet.
+    ``each``: a subset of the ``pairs`` rows, chosen greedily, that still reaches every (axis, value), every config
+    and every (kernel, constexpr, value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some
+    kernel), with the ``heavy`` seed first."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     axes = family.axes()
@@ -642,7 +655,8 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
     product = [dict(zip(axes, vals)) for vals in itertools.product(*axes.values())]
     if level == "full":
         return [r for r in product if launches(r)]
-    rows = cover(axes, 2, lambda r: bool(launches(r)), _seeds(family, axes, "pairs"))
+    covering = level if level in _STRENGTH else "pairs"
+    rows = cover(axes, _STRENGTH[covering], lambda r: bool(launches(r)), _seeds(family, axes, covering))
     seen = set().union(*(_traits(launches(r)) for r in rows))
     for scan, shape in _SCANNED.items():
         if shape not in axes["shape"]:
@@ -653,7 +667,7 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
                 if new:
                     rows.append(r)
                     seen |= _traits(launches(r))
-    if level == "pairs":
+    if level in _STRENGTH:
         return rows
 
     def reach(row: dict) -> set:
