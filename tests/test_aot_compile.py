@@ -212,6 +212,8 @@ def test_selection_uses_reported_shared_memory_not_major():
     """sm_120 (consumer Blackwell) reports 101,376 B per block like sm_86 and has no wgmma: it must
     get the mma.sync configs that fit that, not Hopper's (selection keyed on ``major >= 9`` gave
     it configs needing up to 163,840 B). A Hopper part reporting less memory gets smaller tiles."""
+    import dataclasses
+
     import torch
 
     from cce_dist.kernels import config as C
@@ -219,7 +221,11 @@ def test_selection_uses_reported_shared_memory_not_major():
     p120, p86, p90 = (C.KNOWN_DEVICES[k] for k in ("sm_120", "sm_86", "sm_90"))
     assert (p120.mma, p90.mma, C.KNOWN_DEVICES["sm_100"].mma) == ("mma", "wgmma", "tcgen05")
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float32, True), (torch.float32, False)):
-        assert C.forward_candidates(p120, dtype, tf32) == C.forward_candidates(p86, dtype, tf32)
+        # the same tiles (sm_120's register cap aside: ptxas held its 8-warp 64 x 128 tile to 128 registers)
+        def tiles(props, dtype=dtype, tf32=tf32):
+            return [dataclasses.replace(c, maxnreg=None) for c in C.forward_candidates(props, dtype, tf32)]
+
+        assert tiles(p120) == tiles(p86)
     for props in C.KNOWN_DEVICES.values():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for c in C.forward_candidates(props, dtype):
@@ -288,11 +294,114 @@ def test_every_planner_picks_unaligned_configs_from_the_tensors(planning_for_gpu
     assert all((c.block_n, c.block_d) == (64, 32) for c in C.forward_candidates(p90, torch.float16, aligned=False))
 
 
-def test_distillation_on_mma_sync_before_triton_39_caps_registers_at_255(monkeypatch, planning_for_gpus):
-    """Before 3.9, ptxas held the distillation's kernels on mma.sync to 128-168 registers and spilled 8-24 B (sm_120,
-    Triton 3.6 / 3.8, the pairs level); narrower tiles only moved the spill. Their launches there carry
-    ``maxnreg=255`` (a launch option every supported Triton takes); Triton 3.9 and the other targets keep ptxas's own
-    cap. fp32 IEEE takes ``config.FP32_BWD`` (capped on every target)."""
+def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
+    """The triples level (each mode's every-feature flag set at every shape) found every backward kernel spilling
+    8-376 B on every target with Triton 3.9: rows not 16-byte aligned (even without an epilogue, the per-tile kernel
+    on mma.sync), a token count not a multiple of 16 beside any epilogue in every schedule (the planner passed it to
+    the per-tile kernel only), and three epilogues at once. Half-wide vocab tiles spilled in none, so each of those
+    halves the config's vocab tile (unaligned rows with two epilogues twice; on mma.sync and tcgen05 with the register
+    cap at 255); a ragged token count alone, or one or two epilogues, keep it."""
+    import torch
+
+    from cce_dist.kernels import aot
+    from cce_dist.kernels import config as C
+
+    for props in C.KNOWN_DEVICES.values():
+        for dtype, tf32 in ((torch.bfloat16, True), (torch.float32, True), (torch.float32, False)):
+            for compiler in ((3, 6), (3, 9)):
+
+                def block_v(props=props, dtype=dtype, tf32=tf32, compiler=compiler, **flags):
+                    return C.backward_config(props, dtype, tf32=tf32, compiler=compiler, **flags).block_v
+
+                def tiles(props=props, dtype=dtype, tf32=tf32, compiler=compiler, **flags):  # before the rule
+                    return C._backward_tiles(
+                        props, dtype, tf32, **{**_BWD_FLAGS, "compiler": compiler, **flags}
+                    ).block_v
+
+                ctx = (props.capability, dtype, tf32, compiler)
+                assert block_v() == tiles(), ctx
+                assert block_v(ragged_rows=True) == tiles(ragged_rows=True), ctx
+                assert block_v(softcap=True, filtering=True) == tiles(softcap=True, filtering=True), ctx
+                assert block_v(aligned=False) == max(16, tiles(aligned=False) // 2), ctx
+                assert block_v(ragged_rows=True, softcap=True) == max(16, tiles(softcap=True) // 2), ctx
+                heavy = dict(softcap=True, filtering=True, deterministic=True)
+                assert block_v(**heavy) == max(16, tiles(**heavy) // 2), ctx
+                # rows not aligned with two epilogues: twice (the per-tile kernel still spilled 8 B at half width)
+                two = dict(softcap=True, filtering=True)
+                assert block_v(aligned=False, **two) == max(16, tiles(aligned=False, **two) // 4), ctx
+                # on mma.sync and tcgen05 the halved tiles carry the register cap (ptxas held TF32 64 x 16 to 128)
+                squeezed = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, aligned=False)
+                capped = props.mma in ("mma", "tcgen05", "none") or not tf32
+                assert squeezed.maxnreg == (255 if capped else None), ctx
+    p90 = C.KNOWN_DEVICES["sm_90"]
+    for schedule, det in (("chunked", False), ("owner", True), ("tiles", False)):
+        got = {}
+        for n in (8192, 8191):
+            launches = aot.backward_launches(
+                p90, torch.bfloat16, n, 2048, 4096, softcap=30.0, schedule=schedule, deterministic=det
+            )
+            got[n] = {kw["BLOCK_V"] for _k, _g, _a, kw in launches}
+        assert {v // 2 for v in got[8192]} == got[8191], (schedule, got)
+
+
+_BWD_FLAGS = dict(
+    softcap=False, filtering=False, deterministic=False, class_weights=False, ragged_rows=False, aligned=True
+)
+
+
+def test_forward_candidates_under_register_pressure():
+    """Configs the triples level found spilling with Triton 3.9: on tcgen05 a bias spilled 8 B in the 64 x 256 tile
+    and in 64 x 128 held to 128 registers (no 256-wide tile with a bias, the cap at 255), TF32 with a bias and a
+    softcap 32 B in 128 x 128 (not a candidate then); rows not 16-byte aligned with the row outputs 48 B in 64 x 128
+    on wgmma / tcgen05 (64 x 64 then); on sm_120 ptxas held the 8-warp 64 x 128 mma.sync tile to 128 registers and
+    spilled 8-16 B (capped at 255 there)."""
+    import torch
+
+    from cce_dist.kernels import config as C
+
+    p100, p90, p120, p86 = (C.KNOWN_DEVICES[k] for k in ("sm_100", "sm_90", "sm_120", "sm_86"))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for softcap in (False, True):
+            with_bias = C.forward_candidates(p100, dtype, softcap=softcap, bias=True)
+            assert with_bias and all(c.block_v < 256 and c.maxnreg == 255 for c in with_bias), (dtype, softcap)
+            if dtype == torch.float32 and softcap:
+                assert all(c.block_n < 128 for c in with_bias)
+            assert all(c.maxnreg is None for c in C.forward_candidates(p100, dtype, softcap=softcap))
+        for props in (p90, p100):
+            heavy = C.forward_candidates(props, dtype, aligned=False, heavy=True)
+            assert [(c.block_n, c.block_v, c.block_d) for c in heavy] == [(64, 64, 32)], (props.capability, dtype)
+        first120, first86 = C.forward_candidates(p120, dtype)[0], C.forward_candidates(p86, dtype)[0]
+        assert (first120.num_warps, first120.block_v, first120.maxnreg) == (8, 128, 255)
+        assert first86.maxnreg is None
+
+
+def test_distillation_halves_vocab_tiles_for_unaligned_rows():
+    """Rows not 16-byte aligned: the distillation's 64 x 64 tiles (32 x 32 in fp32 IEEE) still spilled 8-240 B with
+    every feature on (the triples level, Triton 3.9, every target); the vocab tiles are at most 32 wide there (16 in
+    fp32 IEEE), K chunks at most 32."""
+    import torch
+
+    from cce_dist.kernels import config as C
+    from cce_dist.kernels.distill import distill_config
+
+    for props in C.KNOWN_DEVICES.values():
+        for dtype, tf32 in ((torch.bfloat16, True), (torch.float32, True), (torch.float32, False)):
+            for det in (False, True):
+                for compiler in ((3, 6), (3, 9)):
+                    a = distill_config(props, dtype, tf32, det, compiler=compiler)
+                    u = distill_config(props, dtype, tf32, det, compiler=compiler, aligned=False)
+                    ctx = (props.capability, dtype, tf32, det, compiler)
+                    assert u.block_v < a.block_v, ctx
+                    assert u.block_v <= (16 if dtype == torch.float32 and not tf32 else 32), ctx
+                    assert u.block_d <= 32, ctx
+
+
+def test_distillation_on_mma_sync_and_tcgen05_caps_registers_at_255(monkeypatch, planning_for_gpus):
+    """ptxas held the distillation's kernels on mma.sync and tcgen05 to 128-168 registers and spilled 8-24 B (sm_120,
+    Triton 3.6 / 3.8 at the pairs level, 3.9 at the triples level; sm_100, 3.9, the gradients of a bf16 student with a
+    TF32 teacher); narrower tiles only moved the spill. Their launches there carry ``maxnreg=255`` (a launch option
+    every supported Triton takes) with every Triton; on wgmma ptxas keeps its own cap. fp32 IEEE takes
+    ``config.FP32_BWD`` (capped on every target)."""
     import torch
 
     from cce_dist.kernels import aot
@@ -306,11 +415,10 @@ def test_distillation_on_mma_sync_before_triton_39_caps_registers_at_255(monkeyp
         return {kw.get("maxnreg") for _k, _g, _a, kw in launches}
 
     for flags in (dict(), dict(deterministic=True, hard=True, softcap=(30.0, 50.0), temperature=0.7)):
-        for target in ("sm_80", "sm_86", "sm_120"):
-            for compiler in ((3, 6), (3, 7), (3, 8)):
+        for compiler in ((3, 6), (3, 7), (3, 8), (3, 9)):
+            for target in ("sm_80", "sm_86", "sm_120", "sm_100"):
                 assert options(target, compiler, **flags) == {255}, (target, compiler, flags)
-            assert options(target, (3, 9), **flags) == {None}, (target, flags)
-        assert options("sm_90", (3, 6), **flags) == {None}
+            assert options("sm_90", compiler, **flags) == {None}, (compiler, flags)
 
 
 def test_splits_follow_the_launched_tile():

@@ -801,7 +801,7 @@ def _tuning(hidden, weight, schedule, props, precision, has_softcap, filt, class
             filtering=filt,
             deterministic=schedule == "owner",  # the chunked dz kernel is the fused kernel's first half
             class_weights=class_weights,
-            ragged_rows=schedule == "tiles" and hidden.shape[0] % 16 != 0,
+            ragged_rows=hidden.shape[0] % 16 != 0,
             aligned=rows_aligned(hidden, weight),
         )
     return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages, c.maxnreg), props

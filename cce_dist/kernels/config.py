@@ -272,6 +272,7 @@ def forward_candidates(
     lean: bool = False,
     heavy: bool = False,
     compiler: tuple[int, int] | None = None,
+    bias: bool = False,
 ) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
@@ -287,7 +288,10 @@ def forward_candidates(
     ``heavy``: the row outputs' ARGMAX / SUMSQ too (two more running values and a per-tile argmax): tiles of more
     than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
-    version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below)."""
+    version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below).
+    ``bias``: the head has a bias (one more row of the tile's epilogue): on tcgen05 no 256-wide vocab tile then (8 B at
+    255 registers, sm_100, Triton 3.9) and the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B);
+    TF32 there with a softcap too: no 128 x 128 tile (32 B at a token count not a multiple of 16)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
@@ -310,8 +314,10 @@ def forward_candidates(
                 FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
                 FwdConfig(64, 128, 32 if k37 else bd, num_warps=8, num_stages=3),
             ]
-        if softcap:
+        if softcap or bias:
             cands = [c for c in cands if c.block_v < 256]
+        if bias:
+            cands = [dataclasses.replace(c, maxnreg=255) for c in cands if not (softcap and c.block_n == 128)]
     elif props.mma == "wgmma":
         # the one-warpgroup 64x128 tile over 3 stages with a softcap: over 4, ptxas spilled 8 B at 255 registers with
         # a softcap and SUM but no ENTROPY (sm_90, Triton 3.9, the forward's whole flag product); over 3, 233
@@ -328,10 +334,13 @@ def forward_candidates(
         # the online-softmax epilogue spills; 64x128 over 8 warps does not. TF32 takes 2 stages of its 16-wide
         # chunks: with 3, ptxas held the lean epilogue (no SUM / ENTROPY) to 128 registers and spilled 8 B on sm_120
         # (Triton 3.9, benchmarks/results/aot_spills.md).
+        # On sm_120 ptxas held the 8-warp 64x128 tile to 128 registers and spilled 8-16 B (a bias and a temperature in
+        # bf16; TF32 at a token count not a multiple of 16; Triton 3.9, the triples level): capped at 255 there.
+        cap = 255 if props.capability[0] >= 12 else None
         cands = [
-            FwdConfig(64, 128, 32, num_warps=8, num_stages=3)
+            FwdConfig(64, 128, 32, num_warps=8, num_stages=3, maxnreg=cap)
             if dtype != torch.float32
-            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2),
+            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2, maxnreg=cap),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     if heavy and props.mma == "wgmma":
@@ -350,8 +359,9 @@ def forward_candidates(
     elif not aligned:
         # wgmma / tcgen05 without vectorized or asynchronous loads (the operands pass through registers): 128-row tiles
         # and 64-wide K chunks spilled 16-1048 B there (sm_90 / sm_100, Triton 3.6 and 3.9, every pair of flags:
-        # benchmarks/results/aot_spills_pairs.md); 64 x 128 tiles in 32-wide chunks over two warpgroups do not
-        cands = [FwdConfig(64, 128, 32, num_warps=8, num_stages=3)]
+        # benchmarks/results/aot_spills_pairs.md); 64 x 128 tiles in 32-wide chunks over two warpgroups do not, nor
+        # 64 x 64 with the row outputs (64 x 128 spilled 48 B with every feature on: TF32, sm_100, Triton 3.9)
+        cands = [FwdConfig(64, 64 if heavy else 128, 32, num_warps=8, num_stages=3)]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 
@@ -381,14 +391,48 @@ def backward_config(
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
-    ``ragged_rows``: the per-tile kernel on a token count that is not a multiple of 16 (no divisibility hint for N):
-    its filtering epilogue then spilled 150-240 B with 128-wide vocab tiles on mma.sync and wgmma (Triton 3.6-3.9),
-    and 160 B on tcgen05 (3.8 / 3.9, rows not 16-byte aligned either), so it gets 64-wide ones.
+    ``ragged_rows``: a token count that is not a multiple of 16 (no divisibility hint for N): beside any epilogue
+    (softcap, filter, deterministic, class weights) every schedule's kernels spilled there (the per-tile filtering
+    epilogue 150-240 B with 128-wide vocab tiles, Triton 3.6-3.9; the chunked dz and owner-computes kernels 8-320 B
+    with every feature on, 3.9), so the vocab tiles are halved (below).
     ``aligned``: every row of H and W starts on a 16-byte boundary (:func:`._common.rows_aligned`). Without it
-    bf16 / fp16 on wgmma / tcgen05 load their operands through registers (no vectorized or asynchronous copies): the
-    128-row tiles and 64-wide chunks spilled 8-704 B there (the chunked dz kernel with class weights, the
-    owner-computes dH / dW kernels; sm_90 / sm_100, Triton 3.6 and 3.9), so every schedule gets the 64 x 64 tiles and
-    32-wide chunks of the deterministic softcap kernels, which spill nowhere."""
+    the operands load through registers (no vectorized or asynchronous copies): on wgmma / tcgen05 the 128-row tiles
+    and 64-wide chunks spilled 8-704 B (the chunked dz kernel with class weights, the owner-computes dH / dW kernels;
+    sm_90 / sm_100, Triton 3.6 and 3.9), so bf16 / fp16 there take 64 x 64 tiles in 32-wide chunks, and every
+    config's vocab tiles are halved (below): the per-tile kernel spilled 16-336 B on mma.sync even without an
+    epilogue (Triton 3.9)."""
+    c = _backward_tiles(
+        props, dtype, tf32, softcap, filtering, deterministic, class_weights, compiler, ragged_rows, aligned
+    )
+    # Register pressure: the triples level (every triple of flag values, each mode's every-feature flag set at every
+    # shape; benchmarks/results/aot_spills_triples.md) found every kernel spilling 8-376 B on every target (Triton 3.9)
+    # with rows not 16-byte aligned, with a token count not a multiple of 16 beside any epilogue (softcap, filter,
+    # deterministic load-add-store, class weights), and with three of those at once; half-wide vocab tiles spilled in
+    # none of them but a few (fewer warps, narrower K chunks or the register cap alone moved the spill): rows not
+    # aligned with two epilogues still spilled 8 B in the per-tile kernel (TF32, sm_100), so those halve twice; and
+    # on mma.sync and tcgen05 ptxas held the narrowest tiles (TF32 64 x 16 / 64 x 32, every feature on) to 128
+    # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
+    epilogues = softcap + filtering + deterministic + class_weights
+    halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
+    if halvings:
+        cap = 255 if props.mma in ("mma", "tcgen05") else c.maxnreg
+        c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
+    return c
+
+
+def _backward_tiles(
+    props: DeviceProps,
+    dtype: torch.dtype,
+    tf32: bool,
+    softcap: bool,
+    filtering: bool,
+    deterministic: bool,
+    class_weights: bool,
+    compiler: tuple[int, int] | None,
+    ragged_rows: bool,
+    aligned: bool,
+) -> BwdConfig:
+    """:func:`backward_config` before its register-pressure rule."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return FP32_BWD
     if not aligned and props.mma in ("wgmma", "tcgen05") and dtype != torch.float32:
@@ -446,8 +490,6 @@ def backward_config(
     else:  # mma.sync: the 128x128 register accumulator spills even without softcap / filtering
         # Triton 3.6 held the per-tile kernel to 128 registers with 64-wide gradient chunks and spilled 8 B (sm_120)
         cands = [BwdConfig(64, 128, 32, 32 if compiler < (3, 7) else 64, group_n=8, num_warps=8, num_stages=2)]
-    if filtering and ragged_rows:
-        cands = [dataclasses.replace(c, block_v=min(c.block_v, 64)) for c in cands]
     for c in cands:
         if _fits(bwd_smem_estimate(c, dtype), props):
             return c

@@ -863,23 +863,31 @@ def distill_config(
     gets 16-wide gradient chunks (155 registers, no spill; 4 warps instead made the statistics and rows kernels,
     which share the config, spill), as do the deterministic kernels on mma.sync (benchmarks/results/aot_spills.md).
     ``aligned``: every head's rows start on 16-byte boundaries (:func:`._common.rows_aligned`); without it no load is
-    vectorized and the address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, so
-    the tiles are 64 x 64 with 32-wide K chunks (the deterministic ones on mma.sync 32 x 64 with 16-wide chunks)."""
-    if props.mma == "none" or (dtype == torch.float32 and not tf32):
-        return _config.FP32_BWD
+    vectorized and the address arithmetic holds more registers: 64 x 128 tiles spilled 24-320 B on every target, 64 x
+    64 still 8-240 B with every feature on, so the vocab tiles are at most 32 wide with 32-wide K chunks (fp32 IEEE
+    and the deterministic ones on mma.sync: 32 x 16 / 32 x 32 with 16-wide chunks)."""
     if compiler is None:
         compiler = _config.triton_version()
-    c = _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned)
-    if props.mma == "mma" and compiler < (3, 9):
-        # Before 3.9, ptxas held the kernels to 128-168 registers on mma.sync and spilled 8-24 B on sm_120 (Triton 3.6:
-        # the deterministic dH / dW kernels with both softcaps, a temperature and a hard label; 3.6 / 3.8: the bf16
-        # student with a TF32 teacher); narrower tiles and chunks, or more warps, only moved the spill. The cap at 255
-        # lets it keep them in registers (benchmarks/results/aot_spills_pairs.md).
+    if props.mma == "none" or (dtype == torch.float32 and not tf32):
+        c = _config.FP32_BWD
+    else:
+        c = _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned)
+    if props.mma in ("mma", "tcgen05") and c.maxnreg is None:
+        # ptxas held the kernels to 128-168 registers on mma.sync and tcgen05 and spilled 8-24 B (sm_120, Triton
+        # 3.6-3.9: the deterministic dH / dW kernels with both softcaps, a temperature and a hard label, the
+        # statistics of a bf16 student with a TF32 teacher; sm_100, 3.9: the gradients of that pair); narrower tiles
+        # and chunks, or more warps, only moved the spill. The cap at 255 lets it keep them in registers
+        # (benchmarks/results/aot_spills_pairs.md, aot_spills_triples.md).
         c = dataclasses.replace(c, maxnreg=255)
-        if props.capability[0] >= 12 and dtype != torch.float32:
-            # and the 16-bit statistics pass with both softcaps, a temperature and a hard label spilled 8-32 B at 255
-            # registers with 128-wide vocab tiles (sm_120, Triton 3.7 / 3.8)
-            c = dataclasses.replace(c, block_v=min(c.block_v, 64))
+    if props.capability[0] >= 12 and dtype != torch.float32:
+        # and the 16-bit statistics pass with both softcaps, a temperature and a hard label spilled 8-32 B at 255
+        # registers with 128-wide vocab tiles (sm_120, Triton 3.7-3.9)
+        c = dataclasses.replace(c, block_v=min(c.block_v, 64))
+    if not aligned:
+        # rows not 16-byte aligned: no load is vectorized and the address arithmetic holds more registers; 64 x 128
+        # tiles spilled 24-320 B on every target, 64 x 64 (32 x 32 in fp32 IEEE) still 8-240 B with every feature
+        # on (the triples level, Triton 3.9): half those vocab tiles, 32-wide K chunks
+        c = dataclasses.replace(c, block_v=max(16, min(c.block_v, 64) // 2), block_d=min(c.block_d, 32))
     return c
 
 
@@ -911,8 +919,6 @@ def _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned) -> _con
         # Triton 3.7 held that pass to 128 registers and spilled 32 B (fp16); 32-wide chunks spilled 8-32 B in other
         # kernels there, the cap at 255 nowhere
         c = dataclasses.replace(c, maxnreg=255)
-    if not aligned:
-        c = dataclasses.replace(c, block_v=min(c.block_v, 64), block_d=min(c.block_d, 32))
     return c
 
 

@@ -204,7 +204,7 @@ def _tuned_kernel(configs: list[_config.FwdConfig]):
     return _TUNED[key]
 
 
-def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: bool, heavy: bool, blocks):
+def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: bool, heavy: bool, blocks, bias=False):
     """``(configs, props)``: the candidate :class:`~.config.FwdConfig` list (``blocks`` when given, the interpreter's
     config, else :func:`.config.forward_candidates` for ``props``, looked up from the tensors' device when None)
     and the device record the splits are picked for."""
@@ -223,6 +223,7 @@ def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: 
         rows_aligned(hidden, weight),
         lean=lean,
         heavy=heavy,
+        bias=bias,
     )
     return configs, props
 
@@ -304,7 +305,7 @@ def plan_row_stats(
     # lean: the smaller epilogue that lets a 128 x 256 wgmma tile fit, not with a bias (its 256-wide row spilled
     # 224-256 B there: the forward's whole flag product on sm_90, Triton 3.9, docs/design.md)
     lean, heavy = not any(needs.values()) and bias is None, bool(need_argmax or need_sumsq)
-    configs, props = _candidates(hidden, weight, props, precision, has_softcap, lean, heavy, _blocks)
+    configs, props = _candidates(hidden, weight, props, precision, has_softcap, lean, heavy, _blocks, bias is not None)
     splits_of = _splits_of(n, v, props, _splits)
     out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32, device=hidden.device)
     args = (
