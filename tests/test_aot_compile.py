@@ -299,8 +299,9 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
     8-376 B on every target with Triton 3.9: rows not 16-byte aligned (even without an epilogue, the per-tile kernel
     on mma.sync), a token count not a multiple of 16 beside any epilogue in every schedule (the planner passed it to
     the per-tile kernel only), and three epilogues at once. Half-wide vocab tiles spilled in none, so each of those
-    halves the config's vocab tile (unaligned rows with two epilogues twice; on mma.sync and tcgen05 with the register
-    cap at 255); a ragged token count alone, or one or two epilogues, keep it."""
+    halves the config's vocab tile (unaligned rows with two epilogues twice; the filter on mma.sync with Triton 3.6
+    once: the chunked dz kernel; on mma.sync and tcgen05 with the register cap at 255); a ragged token count alone,
+    or one or two epilogues, keep it."""
     import torch
 
     from cce_dist.kernels import aot
@@ -321,14 +322,17 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 ctx = (props.capability, dtype, tf32, compiler)
                 assert block_v() == tiles(), ctx
                 assert block_v(ragged_rows=True) == tiles(ragged_rows=True), ctx
-                assert block_v(softcap=True, filtering=True) == tiles(softcap=True, filtering=True), ctx
+                assert block_v(softcap=True, deterministic=True) == tiles(softcap=True, deterministic=True), ctx
                 assert block_v(aligned=False) == max(16, tiles(aligned=False) // 2), ctx
                 assert block_v(ragged_rows=True, softcap=True) == max(16, tiles(softcap=True) // 2), ctx
+                # Triton 3.6 on mma.sync: the filter halves them (the chunked dz kernel spilled 120-136 B)
+                old = props.mma == "mma" and compiler < (3, 7)
                 heavy = dict(softcap=True, filtering=True, deterministic=True)
-                assert block_v(**heavy) == max(16, tiles(**heavy) // 2), ctx
+                assert block_v(**heavy) == max(16, tiles(**heavy) // (4 if old else 2)), ctx
+                assert block_v(filtering=True) == max(16, tiles(filtering=True) // (2 if old else 1)), ctx
                 # rows not aligned with two epilogues: twice (the per-tile kernel still spilled 8 B at half width)
                 two = dict(softcap=True, filtering=True)
-                assert block_v(aligned=False, **two) == max(16, tiles(aligned=False, **two) // 4), ctx
+                assert block_v(aligned=False, **two) == max(16, tiles(aligned=False, **two) // (8 if old else 4)), ctx
                 # on mma.sync and tcgen05 the halved tiles carry the register cap (ptxas held TF32 64 x 16 to 128)
                 squeezed = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, aligned=False)
                 capped = props.mma in ("mma", "tcgen05", "none") or not tf32

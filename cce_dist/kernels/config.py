@@ -412,8 +412,12 @@ def backward_config(
     # aligned with two epilogues still spilled 8 B in the per-tile kernel (TF32, sm_100), so those halve twice; and
     # on mma.sync and tcgen05 ptxas held the narrowest tiles (TF32 64 x 16 / 64 x 32, every feature on) to 128
     # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
+    # Triton 3.6 on mma.sync: the chunked dz kernel with the filter spilled 120-136 B at 255 registers (sm_80 / sm_86,
+    # without dH) where 3.9 did not; half-wide tiles do not.
+    old_filter = filtering and props.mma == "mma" and (compiler or triton_version()) < (3, 7)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
+    halvings += old_filter
     if halvings:
         cap = 255 if props.mma in ("mma", "tcgen05") else c.maxnreg
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
