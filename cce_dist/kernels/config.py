@@ -289,9 +289,10 @@ def forward_candidates(
     than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
     version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below).
-    ``bias``: the head has a bias (one more row of the tile's epilogue): on tcgen05 no 256-wide vocab tile then (8 B at
-    255 registers, sm_100, Triton 3.9) and the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B);
-    TF32 there with a softcap too: no 128 x 128 tile (32 B at a token count not a multiple of 16)."""
+    ``bias``: the head has a bias (one more row of the tile's epilogue): on tcgen05 no 256-wide vocab tile then (8 B
+    at 255 registers, sm_100, Triton 3.9; on wgmma with a softcap too) and the register cap at 255 (ptxas held
+    64 x 128 to 128 registers: 8 B); TF32 there with a softcap too: no 128 x 128 tile (32 B at a token count not a
+    multiple of 16)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
@@ -326,6 +327,9 @@ def forward_candidates(
             FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 128, bd, num_warps=4, num_stages=3 if softcap else 4),
         ]
+        if softcap and bias:
+            # the 256-wide tile with a softcap and a bias spilled 224 B (TF32, Triton 3.6, a ragged token count)
+            cands = [c for c in cands if c.block_v < 256]
         if lean and not softcap and dtype != torch.float32:
             # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
             cands.insert(0, FwdConfig(128, 256, 32 if compiler == (3, 8) else bd, num_warps=8, num_stages=3))
@@ -412,9 +416,9 @@ def backward_config(
     # aligned with two epilogues still spilled 8 B in the per-tile kernel (TF32, sm_100), so those halve twice; and
     # on mma.sync and tcgen05 ptxas held the narrowest tiles (TF32 64 x 16 / 64 x 32, every feature on) to 128
     # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
-    # Triton 3.6 on mma.sync: the chunked dz kernel with the filter spilled 120-136 B at 255 registers (sm_80 / sm_86,
-    # without dH) where 3.9 did not; half-wide tiles do not.
-    old_filter = filtering and props.mma == "mma" and (compiler or triton_version()) < (3, 7)
+    # Triton 3.6 on mma.sync and wgmma: the chunked dz kernel with the filter spilled 88-136 B at 255 registers
+    # (sm_80 / sm_86 / sm_90, without dH) where 3.9 did not; half-wide tiles do not.
+    old_filter = filtering and props.mma in ("mma", "wgmma") and (compiler or triton_version()) < (3, 7)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
     halvings += old_filter
