@@ -330,6 +330,11 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 heavy = dict(softcap=True, filtering=True, deterministic=True)
                 assert block_v(**heavy) == max(16, tiles(**heavy) // (4 if old else 2)), ctx
                 assert block_v(filtering=True) == max(16, tiles(filtering=True) // (2 if old else 1)), ctx
+                # deterministic class weights on mma.sync: the register cap (TF32 dW held to 96 registers: 8 B)
+                cw = C.backward_config(
+                    props, dtype, tf32=tf32, compiler=compiler, deterministic=True, class_weights=True
+                )
+                assert cw.maxnreg == (255 if props.mma == "mma" or not tf32 else None), ctx
                 # rows not aligned with two epilogues: twice (the per-tile kernel still spilled 8 B at half width)
                 two = dict(softcap=True, filtering=True)
                 assert block_v(aligned=False, **two) == max(16, tiles(aligned=False, **two) // (8 if old else 4)), ctx

@@ -465,7 +465,18 @@ def _backward_tiles(
             # 168 registers (sm_80); 8 warps spilled 8-24 B, 32-wide gradient chunks 8-24 B in the dW kernel
             if props.mma == "mma" and compiler == (3, 8):
                 d = 16
-            return BwdConfig(64, 32, d, d_out, group_n=8, num_warps=4 if props.mma == "mma" else 8, num_stages=2)
+            # and ptxas held the TF32 dW kernel there to 96 registers over 4 warps and spilled 8 B (sm_86, Triton
+            # 3.7, the each level): capped at 255 on mma.sync
+            return BwdConfig(
+                64,
+                32,
+                d,
+                d_out,
+                group_n=8,
+                num_warps=4 if props.mma == "mma" else 8,
+                num_stages=2,
+                maxnreg=255 if props.mma == "mma" else None,
+            )
         # bf16 / fp16 there over 4 warps with Triton 3.9, and on sm_120 from 3.7: 8 held the dH kernel to 128 registers
         # at a token count not a multiple of 16 and spilled 8 B (sm_120, 3.7-3.9); before 3.9, 4 warps spilled 8-48 B
         # in the filtering dH kernel on sm_80 / sm_86 and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128
