@@ -388,6 +388,9 @@ def test_forward_candidates_under_register_pressure():
         first120, first86 = C.forward_candidates(p120, dtype)[0], C.forward_candidates(p86, dtype)[0]
         assert (first120.num_warps, first120.block_v, first120.maxnreg) == (8, 128, 255)
         assert first86.maxnreg is None
+        # and its row-output tile (Triton 3.8 held TF32 to 128 registers: 16 B)
+        assert [c.maxnreg for c in C.forward_candidates(p120, dtype, heavy=True)] == [255]
+        assert [c.maxnreg for c in C.forward_candidates(p86, dtype, heavy=True)] == [None]
 
 
 def test_distillation_halves_vocab_tiles_for_unaligned_rows():

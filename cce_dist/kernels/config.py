@@ -357,7 +357,9 @@ def forward_candidates(
         # in 16-wide K chunks: with 32, ptxas held a token count not a multiple of 16 to 128 registers and spilled 8 B
         # on sm_120 (fp16 with argmax + sumsq, Triton 3.9; bf16 with sumsq, 3.6; benchmarks/results/aot_spills_pairs.md)
         # TF32 over 2 stages, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token count, Triton 3.9)
-        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3)]
+        # on sm_120 capped at 255, as the 8-warp tiles above: Triton 3.8 held TF32 to 128 registers (16 B, a softcap)
+        cap = 255 if props.capability[0] >= 12 else None
+        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3, maxnreg=cap)]
     if not aligned and props.mma == "mma":
         # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
         cands = [dataclasses.replace(c, num_warps=8) for c in cands]
