@@ -431,11 +431,17 @@ SHAPES = {"paper": PAPER_SHAPE, "ragged": RAGGED_SHAPE, "rows": ROWS_SHAPE}
 DISTILL_SHAPES = {"paper": DISTILL_SHAPE, "ragged": DISTILL_RAGGED_SHAPE}
 #: The shapes :func:`flag_sets` scans the product at (not an axis): the paper shapes with a narrow vocab, so that
 #: the chunked schedule plans a few chunks instead of 250. Configs and constexprs do not depend on V.
-#: ``"rows"`` (a token count not a multiple of 16) is scanned too: it selects configs of its own.
-_SCAN = {"_scan": (PAPER_SHAPE[0], PAPER_SHAPE[1], 4096), "_scan_rows": (ROWS_SHAPE[0], ROWS_SHAPE[1], 4096)}
-_DISTILL_SCAN = {"_scan": (*DISTILL_SHAPE[:3], 4096)}
+#: ``"rows"`` (a token count not a multiple of 16) and ``"ragged"`` (that, and rows not 16-byte aligned) are scanned
+#: too: they select configs of their own (the register-pressure rules of ``config.backward_config`` halve the vocab
+#: tile per source of pressure, and some halvings happen only at the ragged shape).
+_SCAN = {
+    "_scan": (PAPER_SHAPE[0], PAPER_SHAPE[1], 4096),
+    "_scan_rows": (ROWS_SHAPE[0], ROWS_SHAPE[1], 4096),
+    "_scan_ragged": (RAGGED_SHAPE[0], RAGGED_SHAPE[1], 4096),
+}
+_DISTILL_SCAN = {"_scan": (*DISTILL_SHAPE[:3], 4096), "_scan_ragged": (*DISTILL_RAGGED_SHAPE[:3], 4096)}
 #: The shape each scan shape stands for.
-_SCANNED = {"_scan": "paper", "_scan_rows": "rows"}
+_SCANNED = {"_scan": "paper", "_scan_rows": "rows", "_scan_ragged": "ragged"}
 
 
 def _fwd_row(props: _config.DeviceProps, row: dict) -> list:
@@ -633,8 +639,9 @@ def _traits(launches: list) -> set:
 def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[dict]:
     """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
 
-    ``pairs`` (``triples``): the strength-2 (3) cover with its seeds, then a scan of the product at the paper and
-    rows shapes adding the first flag set that reaches a config or a (kernel, constexpr, value) not reached yet.
+    ``pairs`` (``triples``): the strength-2 (3) cover with its seeds, then a scan of the product at the paper,
+    rows and ragged shapes adding the first flag set that reaches a config or a (kernel, constexpr, value) not
+    reached yet.
     ``each``: a subset of the ``pairs`` rows, chosen greedily, that still reaches every (axis, value), every config
     and every (kernel, constexpr, value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some
     kernel), with the ``heavy`` seed first."""
