@@ -373,6 +373,21 @@ def test_grads_fp32_all_combinations(i, schedule):
     _check_fp32_grads(got, ref)
 
 
+@pytest.mark.parametrize("schedule,deterministic", [("chunked", False), ("tiles", False), ("owner", True)])
+def test_grads_narrow_vocab_tiles_match_oracle(schedule, deterministic):
+    """The register-pressure rules of ``config.backward_config`` halve vocab tiles down to 16 wide, narrower than the
+    32-wide gradient-product chunks (64 x 16 x 32 x 32 on a GPU): tiles of 16 vocab rows under 32-wide chunks, over a
+    hidden size and a vocab that neither divides, give the oracle's gradients in every schedule."""
+    n, d, v = 33, 48, 70
+    h, w, b, t = make_inputs(n, d, v, torch.float32, bias=True, vocab_start=0, seed=91)
+    lse = shard_lse(*_cpu(h, w, b), 30.0, 0.7).to(DEVICE)
+    coef = make_coef(n, seed=92)
+    got = _run_grads(
+        h, w, b, t, lse, coef, 0, 30.0, 0.7, deterministic=deterministic, _schedule=schedule, _blocks=(16, 16, 16, 32)
+    )
+    _check_fp32_grads(got, oracle_grads(*_cpu(h, w, b, t, lse, coef), 0, 30.0, 0.7))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("schedule", BWD_SCHEDULES)
 @pytest.mark.parametrize("i,deterministic", [(7, False), (10, True), (15, False)])
