@@ -283,8 +283,8 @@ def forward_candidates(
     64 x 128 x 32 candidate is left; on mma.sync the candidates run over 8 warps).
     ``lean``: the kernel skips the SUM / ENTROPY statistics (the cross-entropy without label
     smoothing); its epilogue holds two fewer running values per row, which lets a 128x256 wgmma tile
-    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90 (without a bias:
-    :func:`.forward.plan_row_stats` does not ask for it with one).
+    (two warpgroups, each a full-width m64n256 instruction) run without spilling on sm_90 (not with a ``bias``: its
+    256-wide row spilled 224-256 B there, the forward's whole flag product, Triton 3.9).
     ``heavy``: the row outputs' ARGMAX / SUMSQ too (two more running values and a per-tile argmax): tiles of more
     than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
@@ -298,6 +298,8 @@ def forward_candidates(
     if compiler is None:
         compiler = triton_version()
     bd = 64 if dtype != torch.float32 else 32
+    # mma.sync's 8-warp tiles on sm_120: ptxas held them to 128 registers and spilled 8-16 B (below), capped at 255
+    cap120 = 255 if props.mma == "mma" and props.capability[0] >= 12 else None
     if props.mma == "tcgen05":
         # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
         # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
@@ -331,7 +333,7 @@ def forward_candidates(
             # the 256-wide tile with a softcap and a bias spilled 224 B (TF32, Triton 3.6, a ragged token count), and
             # in TF32 the 128-row one 64 B (Triton 3.8, a ragged token count)
             cands = [c for c in cands if c.block_v < 256 and (dtype != torch.float32 or c.block_n < 128)]
-        if lean and not softcap and dtype != torch.float32:
+        if lean and not softcap and not bias and dtype != torch.float32:
             # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
             cands.insert(0, FwdConfig(128, 256, 32 if compiler == (3, 8) else bd, num_warps=8, num_stages=3))
     else:
@@ -341,11 +343,10 @@ def forward_candidates(
         # (Triton 3.9, benchmarks/results/aot_spills.md).
         # On sm_120 ptxas held the 8-warp 64x128 tile to 128 registers and spilled 8-16 B (a bias and a temperature in
         # bf16; TF32 at a token count not a multiple of 16; Triton 3.9, the triples level): capped at 255 there.
-        cap = 255 if props.capability[0] >= 12 else None
         cands = [
-            FwdConfig(64, 128, 32, num_warps=8, num_stages=3, maxnreg=cap)
+            FwdConfig(64, 128, 32, num_warps=8, num_stages=3, maxnreg=cap120)
             if dtype != torch.float32
-            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2, maxnreg=cap),
+            else FwdConfig(64, 128, 16, num_warps=8, num_stages=2, maxnreg=cap120),
             FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
         ]
     if heavy and props.mma == "wgmma":
@@ -358,8 +359,7 @@ def forward_candidates(
         # on sm_120 (fp16 with argmax + sumsq, Triton 3.9; bf16 with sumsq, 3.6; benchmarks/results/aot_spills_pairs.md)
         # TF32 over 2 stages, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token count, Triton 3.9)
         # on sm_120 capped at 255, as the 8-warp tiles above: Triton 3.8 held TF32 to 128 registers (16 B, a softcap)
-        cap = 255 if props.capability[0] >= 12 else None
-        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3, maxnreg=cap)]
+        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3, maxnreg=cap120)]
     if not aligned and props.mma == "mma":
         # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
         cands = [dataclasses.replace(c, num_warps=8) for c in cands]
@@ -408,6 +408,8 @@ def backward_config(
     sm_90 / sm_100, Triton 3.6 and 3.9), so bf16 / fp16 there take 64 x 64 tiles in 32-wide chunks, and every
     config's vocab tiles are halved (below): the per-tile kernel spilled 16-336 B on mma.sync even without an
     epilogue (Triton 3.9)."""
+    if compiler is None:
+        compiler = triton_version()
     c = _backward_tiles(
         props, dtype, tf32, softcap, filtering, deterministic, class_weights, compiler, ragged_rows, aligned
     )
@@ -421,7 +423,7 @@ def backward_config(
     # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
     # Triton 3.6 on mma.sync and wgmma: the chunked dz kernel with the filter spilled 88-136 B at 255 registers
     # (sm_80 / sm_86 / sm_90, without dH) where 3.9 did not; half-wide tiles do not.
-    old_filter = filtering and props.mma in ("mma", "wgmma") and (compiler or triton_version()) < (3, 7)
+    old_filter = filtering and props.mma in ("mma", "wgmma") and compiler < (3, 7)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
     halvings += old_filter
@@ -439,7 +441,7 @@ def _backward_tiles(
     filtering: bool,
     deterministic: bool,
     class_weights: bool,
-    compiler: tuple[int, int] | None,
+    compiler: tuple[int, int],
     ragged_rows: bool,
     aligned: bool,
 ) -> BwdConfig:
@@ -449,8 +451,6 @@ def _backward_tiles(
     if not aligned and props.mma in ("wgmma", "tcgen05") and dtype != torch.float32:
         return BwdConfig(64, 64, 32, 32, group_n=8, num_warps=8, num_stages=2)
     heavy = softcap or filtering
-    if compiler is None:
-        compiler = triton_version()
     if props.mma == "tcgen05" and filtering and not deterministic and dtype != torch.float32 and compiler < (3, 8):
         return BwdConfig(64, 64, 64, 32, group_n=8, num_warps=8, num_stages=3)
     if deterministic and (heavy or props.mma == "mma"):

@@ -302,9 +302,7 @@ def plan_row_stats(
     has_softcap, has_temp, softcap_arg, temperature_arg = transform_args(softcap, temperature)
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
     needs = dict(need_sum=need_sum, need_entropy=need_entropy, need_argmax=need_argmax, need_sumsq=need_sumsq)
-    # lean: the smaller epilogue that lets a 128 x 256 wgmma tile fit, not with a bias (its 256-wide row spilled
-    # 224-256 B there: the forward's whole flag product on sm_90, Triton 3.9, docs/design.md)
-    lean, heavy = not any(needs.values()) and bias is None, bool(need_argmax or need_sumsq)
+    lean, heavy = not any(needs.values()), bool(need_argmax or need_sumsq)
     configs, props = _candidates(hidden, weight, props, precision, has_softcap, lean, heavy, _blocks, bias is not None)
     splits_of = _splits_of(n, v, props, _splits)
     out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32, device=hidden.device)
