@@ -1,4 +1,4 @@
-"""GPU suite: correctness, the peers side by side, each kernel alone, atomics, the GPU tests.
+"""GPU suite: correctness, the peers side by side, each kernel alone, atomics, the GPU tests, spills.
 
 Question: on one GPU, at LLM head shapes in bf16, is every Triton path of cce_dist right (forward
 and each backward schedule against a float64 reference), and how do forward, backward,
@@ -20,8 +20,9 @@ Built to return results from its first run on a machine nobody has watched it on
   poisoned CUDA context, a hung kernel) is killed at the timeout and its case recorded as a timeout,
   and a fresh child continues with the rest;
 - a total budget (``--budget-s``, counted from ``--started``) bounds the whole run; stages are
-  ordered by value (environment, correctness, peers, the static model, kernels, atomics, then the
-  GPU tests, less the ahead-of-time compiles CI covers) and what a stage could not run is recorded
+  ordered by value (environment, correctness, peers, the static model, kernels, atomics, the GPU
+  tests, less the ahead-of-time compiles CI covers, then the registers and spills of every kernel
+  the run compiled, read from its own Triton cache: ``spill_rows``) and what a stage could not run is recorded
   as ``skipped``. The static model (benchmarks/gpu_model.py, CPU only) is built in the background
   from the start and waited for before the kernels stage, which compares with it: this run's model,
   never the committed one;
@@ -111,13 +112,19 @@ STAGES: dict[str, tuple[float, float, float]] = {
     "kernels": (60, 15, 10),
     "atomics": (20, 5, 5),
     "pytest": (200, 200, 30),
+    "spills": (60, 60, 10),
 }
 #: The static model (benchmarks/gpu_model.py, CPU only) starts in the background before the first stage and
 #: is waited for at "gpu_model" (its budget is that wait; usually the model is done by then), so the kernels
 #: stage compares with THIS run's model. Its sm_90 compile is capped at MODEL_COMPILE_S (a fresh compile took
 #: 67 s on a loaded 2-core CPU); past the cap gpu_model reuses the committed compiled fields and says so.
 MODEL_COMPILE_S = 120
-ORDER = ["env", "correctness", "peers", "gpu_model", "kernels", "atomics", "pytest"]
+ORDER = ["env", "correctness", "peers", "gpu_model", "kernels", "atomics", "pytest", "spills"]
+#: The stages that are not run case by case in a child (their one case when they are skipped).
+OWN_CASES = {"gpu_model": "static model", "pytest": "GPU tests", "spills": "compiled kernels"}
+#: The Triton cache of a real run (``TRITON_CACHE_DIR``, under the temporary folder, per run): every stage and the
+#: GPU tests compile into it, and the ``spills`` stage reads each kernel's registers and spills from it.
+TRITON_CACHE_PREFIX = "cce_suite_triton_"
 #: What a row's status may be: ok; fail = out of tolerance; error = raised / the child died; timeout = killed at
 #: the case timeout or the stage's end; skipped = not run (the reason in ``error``, ``expected`` when the dry
 #: run cannot run it by design, e.g. a CUDA-only peer).
@@ -955,6 +962,8 @@ class Suite:
         )
         if self.dry:
             os.environ["TRITON_INTERPRET"] = "1"
+        else:  # a cache of this run's own: the spills stage reads what this run compiled, nothing older
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), TRITON_CACHE_PREFIX + self.run_id)
         self.model: subprocess.Popen | None = None  # benchmarks/gpu_model.py, started before the first stage
 
     def log(self, msg: str) -> None:
@@ -1106,6 +1115,41 @@ class Suite:
         status = "ok" if rc == 0 and not killed else "fail" if rc == 1 and not killed else "error"
         self.record(stage, "GPU tests", status, killed or ("" if rc == 0 else f"pytest rc={rc}"), **row)
 
+    def run_spills(self, budget: float) -> None:
+        """Registers and spills of every kernel this run compiled (its Triton cache, ``TRITON_CACHE_DIR``; read
+        with ``cce_dist.kernels.resources.scan_cache``): one row per cce_dist kernel, ``fail`` when a compiled
+        variant spills more than ``SPILL_BOUND`` (none), the bound tests/test_aot_compile.py asserts without a
+        GPU; one row for the peers' kernels (informative: their spills are theirs). A run that compiled no
+        cce_dist kernel is an error (the cache did not reach the stages)."""
+        stage, case = "spills", OWN_CASES["spills"]
+        if self.dry:
+            self.record(stage, case, "skipped", "dry run: the interpreter compiles no kernel", expected=True)
+            return
+        cache = os.environ.get("TRITON_CACHE_DIR", "")
+        t0 = time.time()
+        done: queue.Queue = queue.Queue()
+
+        def scan():
+            try:
+                from cce_dist.kernels.resources import scan_cache
+
+                done.put(scan_cache(cache, jobs=min(16, os.cpu_count() or 2)))
+            except Exception as e:  # noqa: BLE001 - recorded below
+                done.put(e)
+
+        threading.Thread(target=scan, daemon=True).start()
+        try:
+            got = done.get(timeout=max(1.0, budget - 2))
+        except queue.Empty:
+            self.record(stage, case, "timeout", f"timeout: reading {cache} ran past {budget:.0f} s")
+            return
+        if isinstance(got, Exception):
+            self.record(stage, case, "error", f"{type(got).__name__}: {got}", cache=cache)
+            return
+        for row in spill_rows(got, cache):
+            row["wall_s"] = round(time.time() - t0, 1)
+            self.record(**row)
+
     def start_gpu_model(self) -> None:
         """benchmarks/gpu_model.py (CPU only: the sm_90 compile and the model) in the background from the
         start, so that it is built before the kernels stage compares with it. Its compile is capped
@@ -1117,8 +1161,9 @@ class Suite:
         cap = min(MODEL_COMPILE_S, self.left() - 10)
         cmd = [sys.executable, "-m", "benchmarks.gpu_model", "--out", str(self.out)]
         cmd += ["--no-compile"] if self.dry else ["--compile-budget", str(int(max(0, cap)))]
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        # its own AOT cache: nothing else compiles into it, and a stale shared one is never read
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+        # its own AOT cache (and Triton cache in it: its kernels are compiled for sm_90, not launched): nothing else
+        # compiles into it, and a stale shared one is never read
         env["CCE_DIST_AOT_CACHE"] = os.path.join(tempfile.gettempdir(), f"cce_suite_gpu_model_aot_{self.run_id}")
         self.log("gpu_model (background): " + " ".join(cmd))
         self.model = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
@@ -1177,8 +1222,7 @@ class Suite:
             after = stages[i + 1 :]
             budget = self.stage_budget(stage, after)
             if budget < STAGES[stage][2]:
-                cases = ["static model"] if stage == "gpu_model" else ["GPU tests"] if stage == "pytest" else None
-                for c in cases or self.list_cases(stage):
+                for c in [OWN_CASES[stage]] if stage in OWN_CASES else self.list_cases(stage):
                     self.record(stage, c, "skipped", f"not run: {self.left():.0f} s left of the total budget")
                 continue
             self.log(f"stage {stage}: budget {budget:.0f} s")
@@ -1188,6 +1232,8 @@ class Suite:
                     self.run_pytest(budget)
                 elif stage == "gpu_model":
                     self.finish_gpu_model(budget)
+                elif stage == "spills":
+                    self.run_spills(budget)
                 else:
                     self.run_child_stage(stage, budget)
             except Exception as e:  # noqa: BLE001 - the orchestrator itself must carry on
@@ -1204,6 +1250,68 @@ class Suite:
         print(headline(self.out, self.run_id), flush=True)
         print(summary(read_rows(self.out, self.run_id)), flush=True)
         return rc
+
+
+def spill_rows(recs: list[dict], cache: str) -> list[dict]:
+    """The ``spills`` stage's rows (``Suite.record`` keywords) from ``scan_cache``'s records: per cce_dist kernel
+    its variants, registers and spills (``fail`` past ``SPILL_BOUND``, ``error`` where a cubin could not be read),
+    then the peers' kernels in one informative row; an ``error`` row when no cce_dist kernel was compiled."""
+    from cce_dist.kernels.resources import SPILL_BOUND
+
+    def stats(group: list[dict]) -> dict[str, Any]:
+        read = [r for r in group if "error" not in r]
+        return {
+            "variants": len(group),
+            "archs": sorted({r.get("arch") for r in group if r.get("arch") is not None}),
+            "max_registers": max((r["registers"] for r in read), default=None),
+            "max_spill_bytes": max((r["spill"] for r in read), default=None),
+            "max_shared": max((r.get("shared") or 0 for r in read), default=None),
+            "unreadable": [f"{r['cubin']}: {r['error']}" for r in group if "error" in r][:10],
+        }
+
+    def variant(r: dict) -> str:
+        cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
+        tile = f"w{r.get('num_warps')}s{r.get('num_stages')}{cap}"
+        return f"{r.get('hash', '')[:12]} sm_{r.get('arch')} {tile}: {r['spill']} B"
+
+    ours = [r for r in recs if r["ours"]]
+    if not ours:
+        names = sorted({r["name"] for r in recs})[:20]
+        why = f"no cce_dist kernel in the run's Triton cache {cache} ({len(recs)} cubins: {names})"
+        return [dict(stage="spills", case=OWN_CASES["spills"], status="error", error=why, cache=cache)]
+    rows = []
+    for name in sorted({r["name"] for r in ours}):
+        group = [r for r in ours if r["name"] == name]
+        st = stats(group)
+        over = [r for r in group if "error" not in r and r["spill"] > SPILL_BOUND]
+        status = "error" if st["unreadable"] else "fail" if over else "ok"
+        error = (
+            f"{len(st['unreadable'])} cubin(s) unreadable"
+            if st["unreadable"]
+            else f"{len(over)} of {len(group)} variants spill past {SPILL_BOUND} B"
+            if over
+            else ""
+        )
+        rows.append(
+            dict(stage="spills", case=name, status=status, error=error, spilling=[variant(r) for r in over][:20], **st)
+        )
+    peers = [r for r in recs if not r["ours"]]
+    if peers:
+        st = stats(peers)
+        per = {
+            n: max((r.get("spill", 0) for r in peers if r["name"] == n), default=0) for n in {r["name"] for r in peers}
+        }
+        rows.append(
+            dict(
+                stage="spills",
+                case="peers' kernels (informative)",
+                status="ok",
+                error="",
+                max_spill_by_kernel=per,
+                **st,
+            )
+        )
+    return rows
 
 
 def exit_code(rows: list[dict]) -> int:
@@ -1305,6 +1413,8 @@ def headline(out: Path, run: str | None = None) -> str:
                 msg += f" (model {r['model_ms_low']:.1f}-{r['model_ms_high']:.1f})"
         elif st == "atomics" and r.get("gb_per_s"):
             msg += f" {r['gb_per_s']:.0f} GB/s"
+        elif st == "spills" and r.get("variants"):
+            msg += f" {r['variants']} compiled, max {r['max_registers']} registers, max spill {r['max_spill_bytes']} B"
         elif st == "pytest":
             msg += " " + ", ".join(f"{r.get(k)} {k}" for k in ("tests", "failures", "errors", "skipped"))
         if r.get("status") in ("error", "fail", "skipped") and r.get("error"):
@@ -1443,6 +1553,20 @@ def render(out: Path, run: str | None = None) -> str:
             "",
         ]
         lines += [f"- {x}" for x in r.get("failed_tests") or []]
+        lines.append("")
+    if by["spills"]:
+        lines += [
+            "## Registers and spills of every kernel this run compiled (its Triton cache, cuobjdump)",
+            "",
+            "| kernel | status | variants | targets | max registers | max spill B | max shared B | spilling |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['case']} | {r.get('status')} | {_f(r.get('variants'))} | {_f(r.get('archs'))} | "
+            f"{_f(r.get('max_registers'))} | {_f(r.get('max_spill_bytes'))} | {_f(r.get('max_shared'))} | "
+            f"{'; '.join(r.get('spilling') or []) or (r.get('error') or '')[:160]} |"
+            for r in by["spills"]
+        ]
         lines.append("")
     if by["gpu_model"]:
         r = by["gpu_model"][-1]

@@ -3,7 +3,8 @@
 # correctness of every Triton path against float64, cce_dist against Apple's Cut Cross-Entropy,
 # Liger-Kernel, torch.compile and the materialized program, each kernel alone against
 # this run's benchmarks/gpu_model.py (built in the background from the start, waited for before the kernels
-# stage), fp32 atomics, then the GPU tests (not the ahead-of-time compiles CI covers).
+# stage), fp32 atomics, the GPU tests (not the ahead-of-time compiles CI covers), then the registers and spills
+# of every kernel the run compiled (read from its own Triton cache).
 # Everything is written under OUT_DIR (nothing else in the repository is touched), the log from
 # its first line:
 #   suite.log          this script's whole output

@@ -112,6 +112,8 @@ def test_dry_run_of_the_shell_script(tmp_path):
             assert (stage, case) in by, (stage, case)
             assert by[(stage, case)]["status"] in gpu_suite.STATUSES
     assert by[("pytest", "GPU tests")]["status"] == "ok", by[("pytest", "GPU tests")]
+    # the interpreter compiles nothing: the spills stage is skipped by design (it reads a real run's cache)
+    assert by[("spills", "compiled kernels")]["status"] == "skipped" and by[("spills", "compiled kernels")]["expected"]
     # the GPU tests never recompile what CI compiles on CPU
     for covered in gpu_suite.PYTEST_CPU_COVERED:
         assert covered not in by[("pytest", "GPU tests")]["command"]
@@ -364,3 +366,174 @@ def test_numpy_is_pinned_below_2_4_wherever_triton_3_6_is_used():
     assert "numpy<2.4" in extras["test"] and any(r.startswith("triton>=3.6") for r in extras["test"])
     script = (REPO / "tests" / "install_oldest_triton.sh").read_text()
     assert '"numpy<2.4"' in script and '"triton==$version"' in script
+
+
+# ------------------------------------------------------------------------------------------------
+# the spills stage: registers and spills of every kernel a real run compiled, from its Triton cache
+# ------------------------------------------------------------------------------------------------
+
+#: Compiles one forward launch for sm_80 twice into the Triton cache ``argv[1]``: as planned (no spill) and held to
+#: 32 registers (it needs about 190: ptxas spills), then reads the cache as the spills stage does.
+_SPILL_PROBE = """
+import json, sys
+import torch
+from cce_dist.kernels import aot, config, resources
+from benchmarks import gpu_suite
+kernel, _grid, args, kw = aot.forward_launches(config.KNOWN_DEVICES["sm_80"], torch.bfloat16, 256, 128, 512)[0]
+fits = aot.compile_launch(kernel, args, kw, 80)
+spills = aot.compile_launch(kernel, args, {**kw, "maxnreg": 32}, 80)
+recs = resources.scan_cache(sys.argv[1])
+print(json.dumps({"compiled": [fits.__dict__, spills.__dict__], "scanned": recs, "cuobjdump": resources.cuobjdump(),
+                  "rows": gpu_suite.spill_rows(recs, sys.argv[1]), "triton": __import__("triton").__version__}))
+"""
+
+
+@pytest.mark.parametrize("triton", ["newest", "oldest"])
+def test_the_spills_stage_reads_what_a_run_compiled(triton, tmp_path):
+    """With the compiler and the cuobjdump of each end of the Triton range (the GPU machine has the oldest): the
+    cache holds both compiles, the scan reads each one's registers and spills, and the stage's row fails on the
+    spilling variant (naming it) and passes the planned one."""
+    import json
+
+    import triton_oldest
+
+    env = triton_oldest.env_with(triton_oldest.require_oldest() if triton == "oldest" else None)
+    env.update(
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+        CCE_DIST_AOT_CACHE=str(tmp_path / "aot"),  # compile, never reuse an earlier record
+        TRITON_DEFAULT_FP_FUSION="0",
+        PYTHONPATH=os.pathsep.join([p for p in [env.get("PYTHONPATH"), str(REPO)] if p]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPILL_PROBE, str(tmp_path / "triton")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    if triton == "oldest":
+        assert got["triton"] == triton_oldest.OLDEST
+        assert got["cuobjdump"].startswith(str(triton_oldest.oldest_dir())), got["cuobjdump"]
+    fits, spills = got["compiled"]
+    assert fits["stack"] + fits["local"] == 0 and fits["registers"] > 64, fits
+    assert spills["stack"] + spills["local"] > 0 and spills["registers"] <= 32, spills
+
+    scanned = {r["hash"]: r for r in got["scanned"]}
+    assert set(scanned) == {fits["hash"], spills["hash"]}
+    for c in (fits, spills):
+        r = scanned[c["hash"]]
+        assert r["name"] == "_row_stats_kernel" and r["ours"] and r["arch"] == 80 and "error" not in r, r
+        assert (r["registers"], r["spill"], r["shared"]) == (c["registers"], c["stack"] + c["local"], c["shared"])
+        assert (r["num_warps"], r["num_stages"], r["maxnreg"]) == (c["num_warps"], c["num_stages"], c["maxnreg"])
+        assert r["triton_version"] == got["triton"]
+
+    (row,) = got["rows"]
+    assert row["case"] == "_row_stats_kernel" and row["status"] == "fail" and row["variants"] == 2, row
+    assert row["max_spill_bytes"] == spills["stack"] + spills["local"] and row["archs"] == [80]
+    assert row["error"] == "1 of 2 variants spill past 0 B"
+    (bad,) = row["spilling"]
+    assert bad.startswith(spills["hash"][:12]) and "maxnreg 32" in bad and bad.endswith(f"{row['max_spill_bytes']} B")
+    assert gpu_suite.exit_code([row]) == 1
+
+
+def _rec(name: str, spill: int = 0, ours: bool = True, **kw) -> dict:
+    return {
+        "name": name,
+        "cubin": f"/c/{name}-{spill}.cubin",
+        "hash": f"{name}{spill:04d}".ljust(16, "0"),
+        "arch": 90,
+        "num_warps": 4,
+        "num_stages": 3,
+        "maxnreg": None,
+        "shared": 1024,
+        "ours": ours,
+        "registers": 128,
+        "stack": spill,
+        "local": 0,
+        "spill": spill,
+        **kw,
+    }
+
+
+def test_spill_rows_hold_each_kernel_to_the_bound_and_report_the_peers():
+    rows = gpu_suite.spill_rows(
+        [_rec("_row_stats_kernel"), _rec("_row_stats_kernel"), _rec("_cce_lse_kernel", 48, ours=False)], "/c"
+    )
+    assert [(r["case"], r["status"]) for r in rows] == [
+        ("_row_stats_kernel", "ok"),
+        ("peers' kernels (informative)", "ok"),
+    ]
+    assert rows[0]["variants"] == 2 and rows[0]["max_spill_bytes"] == 0 and rows[0]["spilling"] == []
+    assert rows[1]["max_spill_by_kernel"] == {"_cce_lse_kernel": 48}
+    assert gpu_suite.exit_code(rows) == 0  # a peer's spill is not ours to fail on
+
+    spilled = gpu_suite.spill_rows(
+        [_rec("_grads_dw_kernel"), _rec("_grads_dw_kernel", 8, maxnreg=255, hash="0123456789abcdef")], "/c"
+    )
+    assert spilled[0]["status"] == "fail" and spilled[0]["spilling"] == ["0123456789ab sm_90 w4s3 maxnreg 255: 8 B"]
+    unreadable = {k: v for k, v in _rec("_dz_store_kernel").items() if k not in ("registers", "stack", "spill")}
+    errs = gpu_suite.spill_rows([{**unreadable, "error": "CalledProcessError: cuobjdump"}], "/c")
+    assert errs[0]["status"] == "error" and errs[0]["unreadable"] == [
+        "/c/_dz_store_kernel-0.cubin: CalledProcessError: cuobjdump"
+    ]
+    (none,) = gpu_suite.spill_rows([_rec("_cce_lse_kernel", ours=False)], "/c")  # the cache missed our stages
+    assert none["status"] == "error" and "no cce_dist kernel" in none["error"] and "_cce_lse_kernel" in none["error"]
+    assert gpu_suite.spill_rows([], "/c")[0]["status"] == "error"
+
+
+def test_a_real_run_compiles_into_its_own_cache_and_its_spills_stage_records_it(tmp_path, monkeypatch):
+    """Not a dry run (no CUDA needed to build the Suite): every stage compiles into one fresh per-run Triton cache
+    (the static model's AOT compiles excepted), and the spills stage records its scan of that cache, rendered into
+    gpu_suite.md."""
+    import argparse
+
+    from cce_dist.kernels import resources
+
+    for k in (
+        "CCE_SUITE_RUN",
+        "CCE_SUITE_COMMIT",
+        "CCE_SUITE_TREE",
+        "CCE_SUITE_OUT",
+        "TRITON_CACHE_DIR",
+        "PYTHONUNBUFFERED",
+    ):
+        monkeypatch.setenv(k, "")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # restored after the test
+    out = tmp_path / "out"
+    a = argparse.Namespace(out=str(out), dry_run=False, started=None, budget_s=480.0)
+    suite = gpu_suite.Suite(a)
+    cache = os.environ["TRITON_CACHE_DIR"]
+    assert os.path.dirname(cache) == gpu_suite.tempfile.gettempdir()
+    assert os.path.basename(cache) == gpu_suite.TRITON_CACHE_PREFIX + suite.run_id
+
+    seen = []
+    monkeypatch.setattr(resources, "scan_cache", lambda d, jobs: seen.append(d) or [_rec("_row_stats_kernel", 16)])
+    suite.run_spills(budget=30)
+    assert seen == [cache]
+    (row,) = [r for r in gpu_suite.read_rows(out) if r["stage"] == "spills"]
+    assert row["case"] == "_row_stats_kernel" and row["status"] == "fail" and row["max_spill_bytes"] == 16
+    md = gpu_suite.render(out)
+    assert "## Registers and spills of every kernel this run compiled" in md
+    assert "| _row_stats_kernel | fail | 1 | [90] | 128 | 16 | 1024 |" in md
+
+
+def test_the_scanned_kernel_names_are_the_kernels_cce_dist_launches():
+    """resources.cce_dist_kernels (read from the source) names every kernel the planners launch, and only those:
+    the spills stage tells our kernels from the peers' by it."""
+    import triton
+
+    from cce_dist.kernels import backward, distill, forward, resources
+
+    # a @triton.jit function is an InterpretedFunction under TRITON_INTERPRET, else a JITFunction
+    kinds = (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)
+    jitted = {
+        name
+        for mod in (forward, backward, distill)
+        for name, obj in vars(mod).items()
+        if isinstance(obj, kinds) and name.endswith("_kernel")
+    }
+    assert resources.cce_dist_kernels() == jitted
+    assert {"_row_stats_kernel", "_grads_fused_kernel", "_distill_grads_kernel"} <= jitted

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,8 +40,17 @@ from . import backward as _bwd
 from . import config as _config
 from . import distill as _kd
 from . import forward as _fwd
+from .resources import SPILL_BOUND, resource_usage
 
-__all__ = ["Compiled", "backward_launches", "cache_dir", "compile_launch", "distill_launches", "forward_launches"]
+__all__ = [
+    "SPILL_BOUND",
+    "Compiled",
+    "backward_launches",
+    "cache_dir",
+    "compile_launch",
+    "distill_launches",
+    "forward_launches",
+]
 
 
 def cache_dir() -> Path:
@@ -76,24 +84,6 @@ class Compiled:
         return self.stack + self.local
 
 
-def _cuobjdump() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def _resource_usage(cubin: bytes) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        out = subprocess.run(
-            [_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-    finally:
-        os.unlink(path)
-    vals = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
-    return {"registers": vals["REG"], "stack": vals["STACK"], "local": vals["LOCAL"], "static_shared": vals["SHARED"]}
-
-
 def _specialize(kernel, args: tuple, kwargs: dict, arch: int):
     """``(src, target, options, signature, key)`` of ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>``: what the
     JIT launcher would compile, and the key Triton's own cache gives it (source, backend, options, env)."""
@@ -125,7 +115,12 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
     ck = triton.compile(src, target=target, options=options.__dict__)
     ptx = ck.asm["ptx"]
-    ru = _resource_usage(ck.asm["cubin"])
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        ru = resource_usage(f.name)
+    finally:
+        os.unlink(f.name)
     mma = [
         m
         for m, pat in (("wgmma", r"\bwgmma\."), ("tcgen05", r"\btcgen05\.mma"), ("mma", r"\bmma\.sync"))
@@ -267,13 +262,6 @@ def backward_launches(
     )
     launches = [x for x in launches if isinstance(x[0], triton.runtime.JITFunction)]
     return launches if len(launches) <= 2 or schedule != "chunked" else [launches[0], launches[-1]]
-
-
-#: Bytes of stack / local memory per thread a compiled launch may use: none, for every compute mode (bf16, fp16, TF32
-#: and fp32 IEEE, whose FMA dot holds its fp32 tiles in registers: :data:`.config.FP32_BWD`), at every shape (rows
-#: not 16-byte aligned and token counts not a multiple of 16 included). tests/test_aot_compile.py asserts it;
-#: ``benchmarks.aot_matrix`` reports against it.
-SPILL_BOUND = 0
 
 
 #: The CCE paper's shape (Gemma 2 2B head): tokens, hidden size, vocab.
