@@ -624,22 +624,13 @@ def _traits(launches: list) -> set:
     return out
 
 
-def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[dict]:
-    """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
-
-    ``pairs`` (``triples``): the strength-2 (3) cover with its seeds, then a scan of the product at the paper,
-    rows and ragged shapes adding the first flag set that reaches a config or a (kernel, constexpr, value) not
-    reached yet.
-    ``each``: a subset of the ``pairs`` rows, chosen greedily, that still reaches every (axis, value), every config
-    and every (kernel, constexpr, value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some
-    kernel), with the ``heavy`` seed first."""
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    axes = family.axes()
-    memo: dict[tuple, list] = {}
+def _launcher(family: Family, props: _config.DeviceProps, memo: dict) -> Callable[[dict], list]:
+    """``launches(row)``: ``family.launch(props, row)``, ``[]`` where the planners refuse the flag set, memoized in
+    ``memo`` (planning is most of an uncompiled level's time: the chunked backward plans a launch per chunk)."""
+    names = tuple(family.axes())
 
     def launches(row: dict) -> list:
-        k = tuple(row[n] for n in axes)
+        k = tuple(row[n] for n in names)
         if k not in memo:
             try:
                 memo[k] = family.launch(props, row)
@@ -647,6 +638,24 @@ def flag_sets(family: Family, props: _config.DeviceProps, level: str) -> list[di
                 memo[k] = []
         return memo[k]
 
+    return launches
+
+
+def flag_sets(family: Family, props: _config.DeviceProps, level: str, memo: dict | None = None) -> list[dict]:
+    """The flag sets (rows) of ``family`` at ``level`` on ``props`` (see LEVELS).
+
+    ``pairs`` (``triples``): the strength-2 (3) cover with its seeds, then a scan of the product at the paper,
+    rows and ragged shapes adding the first flag set that reaches a config or a (kernel, constexpr, value) not
+    reached yet.
+    ``each``: a subset of the ``pairs`` rows, chosen greedily, that still reaches every (axis, value), every config
+    and every (kernel, constexpr, value) they reach (``Family.per_kernel`` False: every (constexpr, value) in some
+    kernel), with the ``heavy`` seed first.
+
+    ``memo``: where the launches of each flag set planned on the way are kept (see :func:`_launcher`)."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    axes = family.axes()
+    launches = _launcher(family, props, {} if memo is None else memo)
     product = [dict(zip(axes, vals)) for vals in itertools.product(*axes.values())]
     if level == "full":
         return [r for r in product if launches(r)]
@@ -692,12 +701,10 @@ def plan(props: _config.DeviceProps, families=("fwd", "bwd"), level: str = "each
     for name in families:
         family = FAMILIES[name]
         axes = family.axes()
-        for row in flag_sets(family, props, level):
-            try:
-                launches = family.launch(props, row)
-            except ValueError:
-                continue
-            for i, (kernel, _grid, args, kwargs) in enumerate(launches):
+        memo: dict[tuple, list] = {}
+        launches = _launcher(family, props, memo)
+        for row in flag_sets(family, props, level, memo):
+            for i, (kernel, _grid, args, kwargs) in enumerate(launches(row)):
                 key = launch_key(kernel, args, kwargs, arch)
                 if key not in keys:
                     keys.add(key)
