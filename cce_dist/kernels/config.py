@@ -421,9 +421,10 @@ def backward_config(
     # aligned with two epilogues still spilled 8 B in the per-tile kernel (TF32, sm_100), so those halve twice; and
     # on mma.sync and tcgen05 ptxas held the narrowest tiles (TF32 64 x 16 / 64 x 32, every feature on) to 128
     # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
-    # Triton 3.6 on mma.sync and wgmma: the chunked dz kernel with the filter spilled 88-136 B at 255 registers
-    # (sm_80 / sm_86 / sm_90, without dH) where 3.9 did not; half-wide tiles do not.
-    old_filter = filtering and props.mma in ("mma", "wgmma") and compiler < (3, 7)
+    # Triton 3.6 and 3.7 on mma.sync and wgmma: the chunked dz kernel with the filter spilled 88-136 B (3.6) and
+    # 16-80 B (3.7) at 255 registers (sm_80 / sm_86 / sm_90, without dH) where 3.8 and 3.9 did not; half-wide tiles
+    # do not.
+    old_filter = filtering and props.mma in ("mma", "wgmma") and compiler < (3, 8)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
     halvings += old_filter
