@@ -389,10 +389,11 @@ print(json.dumps({"compiled": [fits.__dict__, spills.__dict__], "scanned": recs,
 
 
 @pytest.mark.parametrize("triton", ["newest", "oldest"])
-def test_the_spills_stage_reads_what_a_run_compiled(triton, tmp_path):
+def test_the_spills_stage_reads_what_a_run_compiled(triton, tmp_path, capsys):
     """With the compiler and the cuobjdump of each end of the Triton range (the GPU machine has the oldest): the
     cache holds both compiles, the scan reads each one's registers and spills, and the stage's row fails on the
-    spilling variant (naming it) and passes the planned one."""
+    spilling variant (naming it) and passes the planned one; ``python -m cce_dist.kernels.resources`` says the
+    same of the cache."""
     import json
 
     import triton_oldest
@@ -437,6 +438,17 @@ def test_the_spills_stage_reads_what_a_run_compiled(triton, tmp_path):
     (bad,) = row["spilling"]
     assert bad.startswith(spills["hash"][:12]) and "maxnreg 32" in bad and bad.endswith(f"{row['max_spill_bytes']} B")
     assert gpu_suite.exit_code([row]) == 1
+
+    # the same reading for a user's own cache after a GPU run: one line per variant, exit code 1 on a spill
+    from cce_dist.kernels import resources
+
+    assert resources.main([str(tmp_path / "triton")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"2 cce_dist kernel variants in {tmp_path / 'triton'}; 1 spill past 0 B", lines
+    (flagged,) = [x for x in lines if "<- spills" in x]
+    assert (
+        "maxnreg 32" in flagged and f"{row['max_spill_bytes']} B spilled" in flagged and spills["hash"][:12] in flagged
+    )
 
 
 def _rec(name: str, spill: int = 0, ours: bool = True, **kw) -> dict:

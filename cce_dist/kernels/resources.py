@@ -92,3 +92,38 @@ def scan_cache(cache_dir: str | os.PathLike, jobs: int = 8) -> list[dict]:
     with ThreadPoolExecutor(max(1, jobs)) as ex:
         recs = list(ex.map(one, cubins))
     return sorted(recs, key=lambda r: (r["name"], r.get("hash", ""), r["cubin"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cce_dist.kernels.resources [CACHE_DIR] [--all]``: registers and spills of every cce_dist kernel
+    in a Triton cache (default ``$TRITON_CACHE_DIR``, else ``~/.triton/cache``) after a run on a GPU, one line per
+    compiled variant; exit code 1 when one spills past :data:`SPILL_BOUND` (worth a bug report, with this output).
+    ``--all``: the other kernels in the cache too (never counted against the bound)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    default = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    ap.add_argument("cache_dir", nargs="?", default=default)
+    ap.add_argument("--all", action="store_true", help="list every kernel in the cache, not only cce_dist's")
+    a = ap.parse_args(argv)
+    recs = [r for r in scan_cache(a.cache_dir) if r["ours"] or a.all]
+    over = 0
+    for r in recs:
+        if "error" in r:
+            print(f"{r['name']:24s} {r['cubin']}: {r['error']}")
+            continue
+        cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
+        spills = r["ours"] and r["spill"] > SPILL_BOUND
+        over += spills
+        print(
+            f"{r['name']:24s} sm_{r.get('arch')} w{r.get('num_warps')}s{r.get('num_stages')}{cap}: {r['registers']} "
+            f"registers, {r['spill']} B spilled, {r.get('shared')} B shared{'  <- spills' if spills else ''}"
+            f"  ({str(r.get('hash', ''))[:12]}, Triton {r.get('triton_version')})"
+        )
+    ours = sum(r["ours"] for r in recs)
+    print(f"{ours} cce_dist kernel variants in {a.cache_dir}; {over} spill past {SPILL_BOUND} B")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
