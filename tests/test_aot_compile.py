@@ -300,8 +300,9 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
     on mma.sync), a token count not a multiple of 16 beside any epilogue in every schedule (the planner passed it to
     the per-tile kernel only), and three epilogues at once. Half-wide vocab tiles spilled in none, so each of those
     halves the config's vocab tile (unaligned rows with two epilogues twice; the filter on mma.sync / wgmma with
-    Triton 3.6 and 3.7 once: the chunked dz kernel; on mma.sync and tcgen05 with the register cap at 255); a ragged token count alone,
-    or one or two epilogues, keep it."""
+    Triton 3.6 and 3.7 once: the chunked dz kernel; the owner-computes kernels with a bias or class weights on wgmma
+    with 3.6 once; on mma.sync and tcgen05 with the register cap at 255); a ragged token count alone, or one or two
+    epilogues, keep it."""
     import torch
 
     from cce_dist.kernels import aot
@@ -331,6 +332,14 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 heavy = dict(softcap=True, filtering=True, deterministic=True)
                 assert block_v(**heavy) == max(16, tiles(**heavy) // (4 if old else 2)), ctx
                 assert block_v(filtering=True) == max(16, tiles(filtering=True) // (2 if old else 1)), ctx
+                # Triton 3.6 on wgmma, 16-bit: the owner-computes dW kernel with a bias or class weights spilled
+                # 32-248 B (the whole backward product on sm_90); bias alone, then with class weights, then neither
+                owner36 = props.mma == "wgmma" and compiler < (3, 7) and dtype != torch.float32
+                det = dict(deterministic=True)
+                assert block_v(bias=True, **det) == max(16, tiles(**det) // (2 if owner36 else 1)), ctx
+                cw = dict(deterministic=True, class_weights=True)
+                assert block_v(bias=True, **cw) == block_v(**cw) == max(16, tiles(**cw) // (2 if owner36 else 1)), ctx
+                assert block_v(bias=True) == tiles(), ctx  # the chunked and per-tile kernels keep theirs
                 # deterministic class weights on mma.sync: the register cap (TF32 dW held to 96 registers: 8 B)
                 cw = C.backward_config(
                     props, dtype, tf32=tf32, compiler=compiler, deterministic=True, class_weights=True

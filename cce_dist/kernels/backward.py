@@ -782,7 +782,7 @@ def _outputs(schedule: str, n: int, d: int, v: int, device, need_hidden: bool, n
     return dh, dw, db
 
 
-def _tuning(hidden, weight, schedule, props, precision, has_softcap, filt, class_weights, blocks):
+def _tuning(hidden, weight, schedule, props, precision, has_softcap, filt, class_weights, has_bias, blocks):
     """``(blocks, (group_n, warps, stages, maxnreg), props)``: the tile sizes ``(BLOCK_N, BLOCK_V, BLOCK_D,
     BLOCK_D_OUT)`` and launch parameters from ``_blocks`` (tests), the interpreter's config or
     :func:`.config.backward_config` for ``props`` (the tensors' CUDA device when None)."""
@@ -803,6 +803,7 @@ def _tuning(hidden, weight, schedule, props, precision, has_softcap, filt, class
             class_weights=class_weights,
             ragged_rows=hidden.shape[0] % 16 != 0,
             aligned=rows_aligned(hidden, weight),
+            bias=has_bias,
         )
     return (c.block_n, c.block_v, c.block_d, c.block_d_out), (c.group_n, c.num_warps, c.num_stages, c.maxnreg), props
 
@@ -943,6 +944,7 @@ def plan_grads(
         has_softcap,
         filter_eps is not None,
         gamma_weights is not None,
+        bias is not None,
         _blocks,
     )
     launch = {} if _INTERPRET else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=_config.ENABLE_FP_FUSION)

@@ -385,6 +385,7 @@ def backward_config(
     compiler: tuple[int, int] | None = None,
     ragged_rows: bool = False,
     aligned: bool = True,
+    bias: bool = False,
 ) -> BwdConfig:
     """The one backward config for ``props``, ``dtype`` and flags (see the module docstring for
     why it is not tuned): the first candidate whose shared memory fits.
@@ -395,6 +396,7 @@ def backward_config(
     ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic dW kernel beside the softcap tiles
     then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target; over 4
     warps on mma.sync, where the deterministic configs also take 16-wide gradient-product chunks).
+    ``bias``: the head has a bias (its gradient is the dz row sums the kernels add up).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
@@ -425,9 +427,15 @@ def backward_config(
     # 16-80 B (3.7) at 255 registers (sm_80 / sm_86 / sm_90, without dH) where 3.8 and 3.9 did not; half-wide tiles
     # do not.
     old_filter = filtering and props.mma in ("mma", "wgmma") and compiler < (3, 8)
+    # Triton 3.6 on wgmma: the owner-computes dW kernel (bf16 / fp16, 128 x 128 x 64 over 8 warps) with a bias or
+    # class weights spilled 32-248 B at 255 registers (19 launches of the backward's whole flag product on sm_90,
+    # none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not.
+    old_owner = (
+        deterministic and (bias or class_weights) and props.mma == "wgmma" and dtype != torch.float32
+    ) and compiler < (3, 7)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
-    halvings += old_filter
+    halvings += old_filter + old_owner
     if halvings:
         cap = 255 if props.mma in ("mma", "tcgen05") else c.maxnreg
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
@@ -528,9 +536,11 @@ def all_backward_configs(props: DeviceProps, compiler: tuple[int, int] | None = 
             for sc in (False, True):
                 for flt in (False, True):
                     for det in (False, True):
-                        for cw, rr, al in itertools.product((False, True), repeat=3):
+                        for cw, rr, al, b in itertools.product((False, True), repeat=4):
                             flags = dict(softcap=sc, filtering=flt, deterministic=det, class_weights=cw, ragged_rows=rr)
-                            out.add(backward_config(props, dtype, tf32=tf32, compiler=compiler, aligned=al, **flags))
+                            out.add(
+                                backward_config(props, dtype, tf32=tf32, compiler=compiler, aligned=al, bias=b, **flags)
+                            )
     return out
 
 
