@@ -373,7 +373,8 @@ def test_forward_candidates_under_register_pressure():
     and in 64 x 128 held to 128 registers (no 256-wide tile with a bias, the cap at 255), TF32 with a bias and a
     softcap 32 B in 128 x 128 (not a candidate then); rows not 16-byte aligned with the row outputs 48 B in 64 x 128
     on wgmma / tcgen05 (64 x 64 then); on sm_120 ptxas held the 8-warp 64 x 128 mma.sync tile to 128 registers and
-    spilled 8-16 B (capped at 255 there)."""
+    spilled 8-16 B (capped at 255 there). The forward's whole flag product on sm_90 with Triton 3.6 found the 64 x 256
+    wgmma tile with a bias and the entropy statistic spilling 24-224 B: no 256-wide tile with a bias there either."""
     import torch
 
     from cce_dist.kernels import config as C
@@ -386,12 +387,16 @@ def test_forward_candidates_under_register_pressure():
             if dtype == torch.float32 and softcap:
                 assert all(c.block_n < 128 for c in with_bias)
             assert all(c.maxnreg is None for c in C.forward_candidates(p100, dtype, softcap=softcap))
-        # wgmma with a softcap and a bias: no 256-wide tile (TF32 spilled 224 B there with Triton 3.6)
-        both = C.forward_candidates(p90, dtype, softcap=True, bias=True)
-        assert both and all(c.block_v < 256 for c in both)
-        if dtype == torch.float32:  # and no 128-row TF32 tile (64 B with Triton 3.8)
-            assert all(c.block_n < 128 for c in both)
-        assert any(c.block_v == 256 for c in C.forward_candidates(p90, dtype, softcap=True))
+        # wgmma with a bias: no 256-wide tile (24-224 B with the entropy statistic, Triton 3.6; with a softcap TF32
+        # 224 B), with every compiler; with a softcap in TF32 no 128-row tile either (64 B with Triton 3.8)
+        for compiler in ((3, 6), (3, 7), (3, 8), (3, 9)):
+            for softcap in (False, True):
+                got = C.forward_candidates(p90, dtype, softcap=softcap, bias=True, compiler=compiler)
+                assert got and all(c.block_v < 256 for c in got), (dtype, softcap, compiler)
+                assert all(c.block_n < 128 for c in got) == (dtype == torch.float32 and softcap), (dtype, softcap)
+                assert any(
+                    c.block_v == 256 for c in C.forward_candidates(p90, dtype, softcap=softcap, compiler=compiler)
+                )
         for props in (p90, p100):
             heavy = C.forward_candidates(props, dtype, aligned=False, heavy=True)
             assert [(c.block_n, c.block_v, c.block_d) for c in heavy] == [(64, 64, 32)], (props.capability, dtype)

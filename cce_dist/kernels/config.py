@@ -289,10 +289,10 @@ def forward_candidates(
     than 64x128 logits spill then, so they are dropped (docs/design.md, "Row outputs").
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed one); where one
     version's ptxas spills a candidate the others do not, that version gets a narrower K chunk (below).
-    ``bias``: the head has a bias (one more row of the tile's epilogue): on tcgen05 no 256-wide vocab tile then (8 B
-    at 255 registers, sm_100, Triton 3.9; on wgmma with a softcap too) and the register cap at 255 (ptxas held
-    64 x 128 to 128 registers: 8 B); TF32 on both with a softcap too: no 128 x 128 tile (32-64 B at a token count
-    not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8)."""
+    ``bias``: the head has a bias (one more row of the tile's epilogue): no 256-wide vocab tile then on tcgen05 (8 B
+    at 255 registers, sm_100, Triton 3.9) and on wgmma (24-224 B with the entropy statistic, Triton 3.6), and on
+    tcgen05 the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B); TF32 on both with a softcap too:
+    no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
@@ -329,10 +329,12 @@ def forward_candidates(
             FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
             FwdConfig(64, 128, bd, num_warps=4, num_stages=3 if softcap else 4),
         ]
-        if softcap and bias:
-            # the 256-wide tile with a softcap and a bias spilled 224 B (TF32, Triton 3.6, a ragged token count), and
-            # in TF32 the 128-row one 64 B (Triton 3.8, a ragged token count)
-            cands = [c for c in cands if c.block_v < 256 and (dtype != torch.float32 or c.block_n < 128)]
+        if bias:
+            # the 256-wide tile with a bias spilled 24-224 B with the entropy statistic (bf16 / fp16 / TF32, Triton 3.6:
+            # 24 launches of the forward's whole flag product on sm_90) and 224 B with a softcap (TF32, 3.6, a ragged
+            # token count); with a softcap in TF32 the 128-row one 64 B (Triton 3.8, a ragged token count)
+            tf32_cap = softcap and dtype == torch.float32
+            cands = [c for c in cands if c.block_v < 256 and not (tf32_cap and c.block_n == 128)]
         if lean and not softcap and not bias and dtype != torch.float32:
             # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
             cands.insert(0, FwdConfig(128, 256, 32 if compiler == (3, 8) else bd, num_warps=8, num_stages=3))
