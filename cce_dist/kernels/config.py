@@ -432,9 +432,8 @@ def backward_config(
     # Triton 3.6 on wgmma: the owner-computes dW kernel (bf16 / fp16, 128 x 128 x 64 over 8 warps) with a bias or
     # class weights spilled 32-248 B at 255 registers (19 launches of the backward's whole flag product on sm_90,
     # none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not.
-    old_owner = (
-        deterministic and (bias or class_weights) and props.mma == "wgmma" and dtype != torch.float32
-    ) and compiler < (3, 7)
+    sixteen_bit = dtype != torch.float32
+    old_owner = deterministic and (bias or class_weights) and props.mma == "wgmma" and sixteen_bit and compiler < (3, 7)
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
     halvings += old_filter + old_owner
