@@ -427,16 +427,19 @@ def backward_config(
     # registers and spilled 8-16 B, so the halved tiles there carry the cap at 255 (96-198 registers).
     # Triton 3.6 and 3.7 on mma.sync and wgmma: the chunked dz kernel with the filter spilled 88-136 B (3.6) and
     # 16-80 B (3.7) at 255 registers (sm_80 / sm_86 / sm_90, without dH) where 3.8 and 3.9 did not; half-wide tiles
-    # do not.
-    old_filter = filtering and props.mma in ("mma", "wgmma") and compiler < (3, 8)
-    # Triton 3.6 on wgmma: the owner-computes dW kernel (bf16 / fp16, 128 x 128 x 64 over 8 warps) with a bias or
-    # class weights spilled 32-248 B at 255 registers (19 launches of the backward's whole flag product on sm_90,
-    # none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not.
+    # do not. On wgmma the filter beside a softcap spilled with 3.9 too (8-40 B, the per-tile and chunked dz kernels,
+    # the backward's whole flag product on sm_90).
+    filter_pressure = (
+        filtering and props.mma in ("mma", "wgmma") and (compiler < (3, 8) or (softcap and props.mma == "wgmma"))
+    )
+    # wgmma: the owner-computes dW kernel (bf16 / fp16, 128 x 128 x 64 over 8 warps) with a bias or class weights
+    # spilled 8-264 B at 255 registers (19 launches of the backward's whole flag product on sm_90 with Triton 3.6, 14
+    # with 3.9; none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not.
     sixteen_bit = dtype != torch.float32
-    old_owner = deterministic and (bias or class_weights) and props.mma == "wgmma" and sixteen_bit and compiler < (3, 7)
+    owner_pressure = deterministic and (bias or class_weights) and props.mma == "wgmma" and sixteen_bit
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
-    halvings += old_filter + old_owner
+    halvings += filter_pressure + owner_pressure
     if halvings:
         cap = 255 if props.mma in ("mma", "tcgen05") else c.maxnreg
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
