@@ -1256,7 +1256,7 @@ def spill_rows(recs: list[dict], cache: str) -> list[dict]:
     """The ``spills`` stage's rows (``Suite.record`` keywords) from ``scan_cache``'s records: per cce_dist kernel
     its variants, registers and spills (``fail`` past ``SPILL_BOUND``, ``error`` where a cubin could not be read),
     then the peers' kernels in one informative row; an ``error`` row when no cce_dist kernel was compiled."""
-    from cce_dist.kernels.resources import SPILL_BOUND
+    from cce_dist.kernels.resources import SPILL_BOUND, describe
 
     def stats(group: list[dict]) -> dict[str, Any]:
         read = [r for r in group if "error" not in r]
@@ -1270,9 +1270,7 @@ def spill_rows(recs: list[dict], cache: str) -> list[dict]:
         }
 
     def variant(r: dict) -> str:
-        cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
-        tile = f"w{r.get('num_warps')}s{r.get('num_stages')}{cap}"
-        return f"{r.get('hash', '')[:12]} sm_{r.get('arch')} {tile}: {r['spill']} B"
+        return f"{r.get('hash', '')[:12]} {describe(r)}: {r['spill']} B"
 
     ours = [r for r in recs if r["ours"]]
     if not ours:

@@ -18,7 +18,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["SPILL_BOUND", "cce_dist_kernels", "cuobjdump", "resource_usage", "scan_cache"]
+__all__ = ["SPILL_BOUND", "cce_dist_kernels", "cuobjdump", "describe", "resource_usage", "scan_cache"]
 
 #: Bytes of stack / local memory per thread a compiled cce_dist launch may use: none, for every compute mode (bf16,
 #: fp16, TF32 and fp32 IEEE, whose FMA dot holds its fp32 tiles in registers: :data:`.config.FP32_BWD`), at every
@@ -94,6 +94,12 @@ def scan_cache(cache_dir: str | os.PathLike, jobs: int = 8) -> list[dict]:
     return sorted(recs, key=lambda r: (r["name"], r.get("hash", ""), r["cubin"]))
 
 
+def describe(rec: dict) -> str:
+    """``sm_90 w8s3 maxnreg 255``: the target and launch options of one :func:`scan_cache` record."""
+    cap = f" maxnreg {rec['maxnreg']}" if rec.get("maxnreg") else ""
+    return f"sm_{rec.get('arch')} w{rec.get('num_warps')}s{rec.get('num_stages')}{cap}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m cce_dist.kernels.resources [CACHE_DIR] [--all]``: registers and spills of every cce_dist kernel
     in a Triton cache (default ``$TRITON_CACHE_DIR``, else ``~/.triton/cache``) after a run on a GPU, one line per
@@ -112,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['name']:24s} {r['cubin']}: {r['error']}")
             continue
-        cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
         spills = r["ours"] and r["spill"] > SPILL_BOUND
         over += spills
         print(
-            f"{r['name']:24s} sm_{r.get('arch')} w{r.get('num_warps')}s{r.get('num_stages')}{cap}: {r['registers']} "
+            f"{r['name']:24s} {describe(r)}: {r['registers']} "
             f"registers, {r['spill']} B spilled, {r.get('shared')} B shared{'  <- spills' if spills else ''}"
             f"  ({str(r.get('hash', ''))[:12]}, Triton {r.get('triton_version')})"
         )
