@@ -496,6 +496,27 @@ def test_spill_rows_hold_each_kernel_to_the_bound_and_report_the_peers():
     assert gpu_suite.spill_rows([], "/c")[0]["status"] == "error"
 
 
+def test_the_cli_fails_on_a_cubin_of_ours_it_cannot_read(tmp_path, capsys):
+    """``python -m cce_dist.kernels.resources`` after a GPU run: a cce_dist cubin cuobjdump cannot read is a failure
+    (exit 1, counted in the summary), as in the suite's stage; a peer's unreadable cubin is listed, not counted."""
+    from cce_dist.kernels import resources
+
+    for name in ("_dz_store_kernel", "_cce_lse_kernel"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / f"{name}.cubin").write_bytes(b"not an ELF file")
+    assert resources.main([str(tmp_path), "--all"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"1 cce_dist kernel variants in {tmp_path}; 0 spill past 0 B, 1 could not be read", lines
+    (ours,) = [x for x in lines if x.startswith("_dz_store_kernel")]
+    (peer,) = [x for x in lines if x.startswith("_cce_lse_kernel")]
+    assert ours.endswith("<- unreadable") and not peer.endswith("<- unreadable"), lines
+
+    (tmp_path / "_dz_store_kernel" / "_dz_store_kernel.cubin").unlink()
+    assert resources.main([str(tmp_path), "--all"]) == 0  # only the peer's is left
+    assert capsys.readouterr().out.splitlines()[-1] == f"0 cce_dist kernel variants in {tmp_path}; 0 spill past 0 B"
+
+
 def test_a_real_run_compiles_into_its_own_cache_and_its_spills_stage_records_it(tmp_path, monkeypatch):
     """Not a dry run (no CUDA needed to build the Suite): every stage compiles into one fresh per-run Triton cache
     (the static model's AOT compiles excepted), and the spills stage records its scan of that cache, rendered into

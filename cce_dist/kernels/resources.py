@@ -103,8 +103,8 @@ def describe(rec: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m cce_dist.kernels.resources [CACHE_DIR] [--all]``: registers and spills of every cce_dist kernel
     in a Triton cache (default ``$TRITON_CACHE_DIR``, else ``~/.triton/cache``) after a run on a GPU, one line per
-    compiled variant; exit code 1 when one spills past :data:`SPILL_BOUND` (worth a bug report, with this output).
-    ``--all``: the other kernels in the cache too (never counted against the bound)."""
+    compiled variant; exit code 1 when one spills past :data:`SPILL_BOUND` or its cubin cannot be read (either is
+    worth a bug report, with this output). ``--all``: the other kernels in the cache too (never counted)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -113,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="list every kernel in the cache, not only cce_dist's")
     a = ap.parse_args(argv)
     recs = [r for r in scan_cache(a.cache_dir) if r["ours"] or a.all]
-    over = 0
+    over = unread = 0
     for r in recs:
         if "error" in r:
-            print(f"{r['name']:24s} {r['cubin']}: {r['error']}")
+            unread += r["ours"]
+            print(f"{r['name']:24s} {r['cubin']}: {r['error']}{'  <- unreadable' if r['ours'] else ''}")
             continue
         spills = r["ours"] and r["spill"] > SPILL_BOUND
         over += spills
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  ({str(r.get('hash', ''))[:12]}, Triton {r.get('triton_version')})"
         )
     ours = sum(r["ours"] for r in recs)
-    print(f"{ours} cce_dist kernel variants in {a.cache_dir}; {over} spill past {SPILL_BOUND} B")
-    return 1 if over else 0
+    unreadable = f", {unread} could not be read" if unread else ""
+    print(f"{ours} cce_dist kernel variants in {a.cache_dir}; {over} spill past {SPILL_BOUND} B{unreadable}")
+    return 1 if over or unread else 0
 
 
 if __name__ == "__main__":
