@@ -131,6 +131,33 @@ def test_every_selectable_kernel_compiles_within_limits(triton, target, tmp_path
     _assert_every_config_compiled(target, rows, triton)
 
 
+_SCRATCH_PROBE = """
+import json, os, torch
+from cce_dist.kernels import aot, config
+kernel, _grid, args, kw = aot.forward_launches(config.KNOWN_DEVICES["sm_80"], torch.bfloat16, 256, 128, 512)[0]
+rec = aot.compile_launch(kernel, args, kw, 80)
+print(json.dumps({"registers": rec.registers, "cache_env": os.environ.get("TRITON_CACHE_DIR")}))
+"""
+
+
+def test_an_aot_compile_keeps_its_record_not_tritons_intermediates(tmp_path):
+    """With no ``TRITON_CACHE_DIR``, ``compile_launch`` keeps only its record (``$CCE_DIST_AOT_CACHE``): Triton's
+    intermediates (IR, PTX, cubin: about 0.6 MB a kernel, tens of GB over a whole flag product) go to a scratch
+    folder removed after the compile, and the process's environment is left as it was."""
+    env = env_with(None)
+    env.pop("TRITON_CACHE_DIR", None)
+    env.update(CCE_DIST_AOT_CACHE=str(tmp_path / "aot"), TMPDIR=str(tmp_path / "tmp"), TRITON_DEFAULT_FP_FUSION="0")
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRATCH_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["registers"] > 0 and got["cache_env"] is None, got
+    kept = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert len(kept) == 1 and kept[0].startswith("aot/_row_stats_kernel-sm80-") and kept[0].endswith(".json"), kept
+
+
 # The distillation kernels are held to the same bound (kernels.aot.SPILL_BOUND): none, with tensor cores (bf16 heads,
 # or a bf16 student with a TF32 teacher) or without (fp32 IEEE). Each program holds two logit tiles (and in the
 # backward their softmax terms) and reaches the 255-register ceiling with every epilogue on; with Triton 3.9, before

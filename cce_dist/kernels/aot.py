@@ -10,8 +10,9 @@ So the compiled kernel is the one a launch would compile; no signature is writte
 
 Needs the real compiler: import this with ``TRITON_INTERPRET`` unset. Results (shared memory,
 registers, spills from ``cuobjdump --dump-resource-usage``, which MMA instructions the PTX uses)
-are cached as JSON next to Triton's own cache, keyed by Triton's kernel hash (source, options,
-target, Triton version), so an unchanged kernel is never recompiled or re-inspected.
+are cached as JSON (:func:`cache_dir`), keyed by Triton's kernel hash (source, options, target,
+Triton version), so an unchanged kernel is never recompiled or re-inspected; Triton's own cache of
+the compile is kept only where ``TRITON_CACHE_DIR`` names one.
 """
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ def launch_key(kernel, args: tuple, kwargs: dict, arch: int) -> str:
     return _specialize(kernel, args, kwargs, arch)[-1]
 
 
+def _compile(src, target, options):
+    """``triton.compile`` into the caller's Triton cache when ``TRITON_CACHE_DIR`` is set (the GPU suite's tests scan
+    it), else into a scratch one removed afterwards: the record below is this module's cache, and Triton's
+    intermediates (about 0.6 MB a kernel) would otherwise pile up by the tens of GB over a whole flag product."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return triton.compile(src, target=target, options=options.__dict__)
+    with tempfile.TemporaryDirectory(prefix="cce_dist_aot_") as scratch:
+        os.environ["TRITON_CACHE_DIR"] = scratch
+        try:
+            return triton.compile(src, target=target, options=options.__dict__)
+        finally:
+            del os.environ["TRITON_CACHE_DIR"]
+
+
 def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
     """Compile ``kernel[grid](*args, **kwargs)`` for ``sm_<arch>`` as the JIT launcher would."""
     src, target, options, signature, key = _specialize(kernel, args, kwargs, arch)
@@ -112,8 +127,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int) -> Compiled:
     meta_path = cache_dir() / f"{name}-sm{arch}-r2-{key[:40]}.json"  # r2: record format
     if meta_path.exists():
         return Compiled(**json.loads(meta_path.read_text()))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
-    ck = triton.compile(src, target=target, options=options.__dict__)
+    ck = _compile(src, target, options)
     ptx = ck.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(ck.asm["cubin"])
