@@ -9,8 +9,11 @@ For each Triton (the installed one, and each ``--triton VERSION=DIR`` installed 
 planners make for the flag sets of ``LEVEL`` (``kernels.aot.LEVELS``: ``full`` is every flag set, ``triples`` /
 ``pairs`` a covering set in which every triple / pair of flag values occurs; ``--matrix fwd`` etc. one family),
 reduced to distinct specializations, compiled with that Triton's ptxas. Each cell's rows are kept in ``--work`` (one
-JSON per Triton x target x level x matrix; a cell already there is not recompiled unless ``--force``), and the report
-is rendered from every cell present:
+JSON per Triton x target x level x matrix, beside it its provenance: the commit and the fingerprint of
+``cce_dist/kernels``' sources it was compiled from). A cell already there is recompiled only with ``--force`` or when
+the kernels' sources changed since (a recompile of unchanged launches reads their records from
+``kernels.aot.cache_dir``, so it costs the planning only). The report is rendered from every cell present, each named
+with its commit, and a cell compiled from other kernel sources than the tree's is marked stale:
 
     python -m benchmarks.aot_matrix --level pairs \\
         --triton 3.6.0=~/.cache/cce_dist/triton-3.6.0 --triton 3.7.1=~/.cache/cce_dist/triton-3.7.1 \\
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -66,19 +70,69 @@ def _cell(work: pathlib.Path, version: str, target: str, level: str, matrix: str
     return work / f"{version}-{target}-{level}{'' if matrix == 'all' else '-' + matrix}.json"
 
 
+def kernels_fingerprint(repo: pathlib.Path = REPO) -> str:
+    """Hash of the sources that decide what a cell compiles and what it records: ``cce_dist/kernels/*.py`` (the
+    kernels, their configs and planners, the enumeration of ``kernels.aot``, the cubin reader)."""
+    h = hashlib.sha256()
+    for f in sorted((repo / "cce_dist" / "kernels").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _provenance(cell: pathlib.Path) -> pathlib.Path:
+    return cell.with_name(cell.stem + ".provenance.json")
+
+
+def read_provenance(cell: pathlib.Path) -> dict | None:
+    """``{commit, kernels, compiled_utc}`` of a cell, or None for a cell compiled before provenance was recorded."""
+    p = _provenance(cell)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def is_fresh(cell: pathlib.Path, fingerprint: str) -> bool:
+    """The cell exists and was compiled from the kernel sources whose fingerprint is ``fingerprint``."""
+    prov = read_provenance(cell) if cell.exists() else None
+    return prov is not None and prov.get("kernels") == fingerprint
+
+
+def _head(repo: pathlib.Path = REPO) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+
+def _git_status(*pathspec: str, repo: pathlib.Path = REPO) -> str:
+    """Uncommitted changes to tracked files under ``pathspec``."""
+    cmd = ["git", "status", "--porcelain", "--untracked-files=no", "--", *pathspec]
+    return subprocess.run(cmd, cwd=repo, capture_output=True, text=True).stdout.strip()
+
+
+def _compiled_at(cell: pathlib.Path, fingerprint: str) -> str:
+    prov = read_provenance(cell)
+    if prov is None:
+        return "unrecorded (stale)"
+    at = f"`{prov['commit'][:9]}`" + (" + uncommitted kernel changes" if prov.get("dirty") else "")
+    return at if prov.get("kernels") == fingerprint else f"{at} (stale: kernels changed since)"
+
+
 def compile_cell(
     path: str | None, version: str, target: str, level: str, work: pathlib.Path, jobs: int, matrix: str = "all"
 ) -> None:
     """Compile the ``matrix`` (``kernels.aot.MATRICES``) of ``target`` with the Triton in ``path`` into ``work``'s
-    cell file."""
+    cell file, and record its provenance (raises if the kernel sources changed during the compile)."""
     out = _cell(work, version, target, level, matrix)
     tmp = out.with_suffix(".tmp")
+    before, commit = kernels_fingerprint(), _head()
+    dirty = bool(_git_status("cce_dist/kernels"))
     cmd = [sys.executable, "-m", "cce_dist.kernels.aot", "--target", target, "--matrix", matrix, "--level", level]
     cmd += ["--jobs", str(jobs), "--json", str(tmp)]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(path), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{version} {target}: {proc.stderr[-3000:]}")
+    if kernels_fingerprint() != before:
+        raise RuntimeError(f"{version} {target}: cce_dist/kernels changed during the compile; not recorded")
     os.replace(tmp, out)
+    stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
+    prov = {"commit": commit, "dirty": dirty, "kernels": before, "compiled_utc": stamp}
+    _provenance(out).write_text(json.dumps(prov))
 
 
 def summarize(rows: list[dict], target: str) -> dict:
@@ -114,13 +168,9 @@ def _describe(r: dict) -> str:
 
 def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: str = "all") -> str:
     """The markdown report of every cell of ``level`` (and ``matrix``) in ``work``."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit, fingerprint = _head(), kernels_fingerprint()
     # a change to the results files (another render) does not change what was compiled
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
-        cwd=REPO,
-        capture_output=True,
-    )
+    dirty = _git_status(".", ":!benchmarks/results")
     lines = [
         "# Register spills of the cce_dist kernels per Triton version and target (generated)",
         "",
@@ -128,7 +178,7 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
         + ("" if matrix == "all" else f" --matrix {matrix}")
         + "` on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC at commit `{commit}`"
-        + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+        + (" (with uncommitted changes)" if dirty else "")
         + ". No GPU: each launch is compiled with the Triton's own ptxas for the target "
         "(`cce_dist.kernels.aot`). Flag sets: "
         + {
@@ -148,7 +198,9 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
             "cross-entropy kernel), every config the planners select, and every feature on at once (bf16).",
         }[level]
         + ("" if matrix == "all" else f" Kernels: {', '.join(MATRICES[matrix])} only.")
-        + " The launches are reduced to distinct specializations (Triton's cache key).",
+        + " The launches are reduced to distinct specializations (Triton's cache key). Each cell names the commit it "
+        "was compiled at; one compiled from other kernel sources (`cce_dist/kernels/*.py`) than this commit's is "
+        "marked stale: it is not evidence for this commit.",
         "",
         f"Spill bound (`cce_dist.kernels.aot.SPILL_BOUND`, asserted by tests/test_aot_compile.py): {SPILL_BOUND} B "
         "for every launch: bf16 / fp16 / TF32 (and the TF32 teacher) on tensor cores and fp32 IEEE (FMA dot), at "
@@ -163,21 +215,21 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
     lines += [
         "",
         "| Triton | target | kernels | failed | max spill (bf16/fp16/TF32) | max spill fp32 IEEE | "
-        "max spill ragged | max shared (limit) | over a bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "max spill ragged | max shared (limit) | over a bound | compiled at |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     details = []
     for v in sorted(versions):
         for t in TARGETS:
             f = _cell(work, v, t, level, matrix)
             if not f.exists():
-                lines.append(f"| {v} | {t} | not compiled | | | | | | |")
+                lines.append(f"| {v} | {t} | not compiled | | | | | | | |")
                 continue
             s = summarize(json.loads(f.read_text()), t)
             lines.append(
                 f"| {v} | {t} | {s['kernels']} | {len(s['failed'])} | {s['max_spill']} B | {s['max_spill_ieee']} B | "
                 f"{s['max_spill_ragged']} B | {s['max_shared']} ({LIMITS[t]}) | "
-                f"{len(s['over_bound']) + len(s['over_shared'])} |"
+                f"{len(s['over_bound']) + len(s['over_shared'])} | {_compiled_at(f, fingerprint)} |"
             )
             for r in s["over_bound"]:
                 details.append(f"- {v} {t}: over its bound: {_describe(r)}")
@@ -200,7 +252,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", default=str(pathlib.Path.home() / ".cache" / "cce_dist" / "aot_matrix"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "aot_spills.md"))
-    ap.add_argument("--force", action="store_true", help="recompile cells already in --work")
+    ap.add_argument("--force", action="store_true", help="recompile cells already in --work, fresh ones too")
     ap.add_argument("--render-only", action="store_true", help="compile nothing; render the cells in --work")
     a = ap.parse_args()
     work = pathlib.Path(a.work).expanduser()
@@ -214,7 +266,7 @@ def main() -> None:
             versions[info["version"]] = info
             meta_file.write_text(json.dumps(versions, indent=1))
             for t in a.targets.split(","):
-                if _cell(work, info["version"], t, a.level, a.matrix).exists() and not a.force:
+                if is_fresh(_cell(work, info["version"], t, a.level, a.matrix), kernels_fingerprint()) and not a.force:
                     continue
                 print(f"compiling Triton {info['version']} {t} ({a.level}, {a.matrix})", flush=True)
                 compile_cell(path, info["version"], t, a.level, work, a.jobs, a.matrix)
