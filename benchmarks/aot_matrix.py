@@ -84,7 +84,8 @@ def _provenance(cell: pathlib.Path) -> pathlib.Path:
 
 
 def read_provenance(cell: pathlib.Path) -> dict | None:
-    """``{commit, kernels, compiled_utc}`` of a cell, or None for a cell compiled before provenance was recorded."""
+    """``{commit, dirty, kernels, compiled_utc}`` of a cell (``dirty``: uncommitted changes under cce_dist/kernels;
+    ``kernels``: :func:`kernels_fingerprint`), or None for a cell compiled before provenance was recorded."""
     p = _provenance(cell)
     return json.loads(p.read_text()) if p.exists() else None
 
