@@ -34,6 +34,7 @@ Asserted per compiled kernel:
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import subprocess
@@ -226,9 +227,12 @@ def _assert_every_config_compiled(target: str, rows: list[dict], triton: str) ->
         )
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
-        flags = (dict(), dict(softcap=True), dict(lean=True), dict(heavy=True), dict(aligned=False))
-        for c in (c for f in flags for c in C.forward_candidates(props, dtype, tf32, compiler=compiler, **f)):
-            want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages, c.maxnreg))
+        # every combination of forward_candidates' flags (lean and heavy exclude each other: plan_row_stats)
+        names = ("softcap", "aligned", "lean", "heavy", "bias", "temperature")
+        combos = [dict(zip(names, vals)) for vals in itertools.product((False, True), repeat=len(names))]
+        for f in (f for f in combos if not (f["lean"] and f["heavy"])):
+            for c in C.forward_candidates(props, dtype, tf32, compiler=compiler, **f):
+                want.add(("fwd", c.block_n, c.block_v, c.block_d, None, c.num_warps, c.num_stages, c.maxnreg))
     for c in C.all_backward_configs(props, compiler):
         want.add(("bwd", c.block_n, c.block_v, c.block_d, c.block_d_out, c.num_warps, c.num_stages, c.maxnreg))
     missing = want - seen
@@ -405,7 +409,10 @@ def test_forward_candidates_under_register_pressure():
     softcap 32 B in 128 x 128 (not a candidate then); rows not 16-byte aligned with the row outputs 48 B in 64 x 128
     on wgmma / tcgen05 (64 x 64 then); on sm_120 ptxas held the 8-warp 64 x 128 mma.sync tile to 128 registers and
     spilled 8-16 B (capped at 255 there). The forward's whole flag product on sm_90 with Triton 3.6 found the 64 x 256
-    wgmma tile with a bias and the entropy statistic spilling 24-224 B: no 256-wide tile with a bias there either."""
+    wgmma tile with a bias and the entropy statistic spilling 24-224 B: no 256-wide tile with a bias there either.
+    The whole product on sm_100 with Triton 3.9 found 24 spilling launches: the 64 x 256 tile with a temperature
+    (88 B), TF32 128 x 128 with a bias and no softcap (8-56 B), and the row outputs' tiles with a softcap or a
+    temperature held to 128 registers (8 B, aligned rows or not)."""
     import torch
 
     from cce_dist.kernels import config as C
@@ -415,9 +422,15 @@ def test_forward_candidates_under_register_pressure():
         for softcap in (False, True):
             with_bias = C.forward_candidates(p100, dtype, softcap=softcap, bias=True)
             assert with_bias and all(c.block_v < 256 and c.maxnreg == 255 for c in with_bias), (dtype, softcap)
-            if dtype == torch.float32 and softcap:
+            if dtype == torch.float32:
                 assert all(c.block_n < 128 for c in with_bias)
             assert all(c.maxnreg is None for c in C.forward_candidates(p100, dtype, softcap=softcap))
+            warm = C.forward_candidates(p100, dtype, softcap=softcap, temperature=True)
+            assert warm and all(c.block_v < 256 and c.maxnreg is None for c in warm), (dtype, softcap)
+            for aligned in (True, False):
+                rows = C.forward_candidates(p100, dtype, softcap=softcap, heavy=True, aligned=aligned)
+                assert rows and all(c.maxnreg == 255 for c in rows), (dtype, softcap, aligned)
+        assert any(c.block_v == 256 for c in C.forward_candidates(p100, dtype))
         # wgmma with a bias: no 256-wide tile (24-224 B with the entropy statistic, Triton 3.6; with a softcap TF32
         # 224 B), with every compiler; with a softcap in TF32 no 128-row tile either (64 B with Triton 3.8)
         for compiler in ((3, 6), (3, 7), (3, 8), (3, 9)):

@@ -273,6 +273,7 @@ def forward_candidates(
     heavy: bool = False,
     compiler: tuple[int, int] | None = None,
     bias: bool = False,
+    temperature: bool = False,
 ) -> list[FwdConfig]:
     """Every forward config the library may try on ``props`` for ``dtype`` (autotuned among these).
 
@@ -292,7 +293,14 @@ def forward_candidates(
     ``bias``: the head has a bias (one more row of the tile's epilogue): no 256-wide vocab tile then on tcgen05 (8 B
     at 255 registers, sm_100, Triton 3.9) and on wgmma (24-224 B with the entropy statistic, Triton 3.6), and on
     tcgen05 the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B); TF32 on both with a softcap too:
-    no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8)."""
+    no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8).
+    ``temperature``: the logits are divided by a temperature (one more multiply per logit).
+
+    On tcgen05 (sm_100) the forward's whole flag product with Triton 3.9 found three more classes, each answered for
+    every compiler: the 64 x 256 tile with a temperature and the SUM / ENTROPY statistics (88 B at 255 registers: no
+    256-wide tile with a temperature, as with a softcap or a bias); TF32 with a bias in 128 x 128 (8-56 B at 255
+    registers: no 128-row tile with a bias in TF32); and the row outputs' tiles with a softcap or a temperature,
+    which ptxas held to 128 registers (8 B, aligned rows or not: the register cap at 255 with the row outputs)."""
     if props.mma == "none" or (dtype == torch.float32 and not tf32):
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
@@ -317,10 +325,10 @@ def forward_candidates(
                 FwdConfig(64, 256, bd, num_warps=8, num_stages=3),
                 FwdConfig(64, 128, 32 if k37 else bd, num_warps=8, num_stages=3),
             ]
-        if softcap or bias:
+        if softcap or bias or temperature:
             cands = [c for c in cands if c.block_v < 256]
         if bias:
-            cands = [dataclasses.replace(c, maxnreg=255) for c in cands if not (softcap and c.block_n == 128)]
+            cands = [c for c in cands if not ((softcap or dtype == torch.float32) and c.block_n == 128)]
     elif props.mma == "wgmma":
         # the one-warpgroup 64x128 tile over 3 stages with a softcap: over 4, ptxas spilled 8 B at 255 registers with
         # a softcap and SUM but no ENTROPY (sm_90, Triton 3.9, the forward's whole flag product); over 3, 233
@@ -371,6 +379,9 @@ def forward_candidates(
         # benchmarks/results/aot_spills_pairs.md); 64 x 128 tiles in 32-wide chunks over two warpgroups do not, nor
         # 64 x 64 with the row outputs (64 x 128 spilled 48 B with every feature on: TF32, sm_100, Triton 3.9)
         cands = [FwdConfig(64, 64 if heavy else 128, 32, num_warps=8, num_stages=3)]
+    if props.mma == "tcgen05" and (bias or heavy):
+        # after the tile choices above (the unaligned one included): ptxas's own heuristic held these to 128 registers
+        cands = [dataclasses.replace(c, maxnreg=255) for c in cands]
     out = [c for c in cands if _fits(fwd_smem_estimate(c, dtype), props) and (aligned or c.block_v < 256)]
     return out or [SMALL_FWD]
 

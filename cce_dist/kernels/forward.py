@@ -204,7 +204,9 @@ def _tuned_kernel(configs: list[_config.FwdConfig]):
     return _TUNED[key]
 
 
-def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: bool, heavy: bool, blocks, bias=False):
+def _candidates(
+    hidden, weight, props, precision: str, has_softcap: bool, lean: bool, heavy: bool, blocks, bias=False, temp=False
+):
     """``(configs, props)``: the candidate :class:`~.config.FwdConfig` list (``blocks`` when given, the interpreter's
     config, else :func:`.config.forward_candidates` for ``props``, looked up from the tensors' device when None)
     and the device record the splits are picked for."""
@@ -224,6 +226,7 @@ def _candidates(hidden, weight, props, precision: str, has_softcap: bool, lean: 
         lean=lean,
         heavy=heavy,
         bias=bias,
+        temperature=temp,
     )
     return configs, props
 
@@ -303,7 +306,9 @@ def plan_row_stats(
     precision = dot_precision(hidden.dtype, _INTERPRET, allow_tf32)
     needs = dict(need_sum=need_sum, need_entropy=need_entropy, need_argmax=need_argmax, need_sumsq=need_sumsq)
     lean, heavy = not any(needs.values()), bool(need_argmax or need_sumsq)
-    configs, props = _candidates(hidden, weight, props, precision, has_softcap, lean, heavy, _blocks, bias is not None)
+    configs, props = _candidates(
+        hidden, weight, props, precision, has_softcap, lean, heavy, _blocks, bias is not None, has_temp
+    )
     splits_of = _splits_of(n, v, props, _splits)
     out = torch.empty(max(splits_of(c) for c in configs), n, NUM_STATS, dtype=torch.float32, device=hidden.device)
     args = (
