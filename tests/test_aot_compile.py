@@ -333,7 +333,8 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
     halves the config's vocab tile (unaligned rows with two epilogues twice; the filter on mma.sync / wgmma with
     Triton 3.6 and 3.7 once: the chunked dz kernel; the owner-computes kernels with a bias or class weights on wgmma
     with 3.6 once; on mma.sync and tcgen05 with the register cap at 255); a ragged token count alone, or one or two
-    epilogues, keep it."""
+    epilogues, keep it. On tcgen05 a bias takes the register cap (the whole backward product on sm_100, Triton 3.9:
+    8-24 B at 128 registers)."""
     import torch
 
     from cce_dist.kernels import aot
@@ -374,6 +375,15 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 cw = dict(deterministic=True, class_weights=True)
                 assert block_v(bias=True, **cw) == block_v(**cw) == max(16, tiles(**cw) // (2 if owner else 1)), ctx
                 assert block_v(bias=True) == tiles(), ctx  # the chunked and per-tile kernels keep theirs
+                # tcgen05 with a bias: the register cap (ptxas held the fused / dH kernels beside a softcap or a
+                # temperature to 128 registers: 8-24 B, the whole backward product on sm_100, Triton 3.9)
+                for extra in (dict(), dict(softcap=True), dict(deterministic=True), dict(aligned=False)):
+                    with_bias = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, bias=True, **extra)
+                    if props.mma == "tcgen05":
+                        assert with_bias.maxnreg == 255, (ctx, extra)
+                    else:
+                        plain = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, **extra)
+                        assert with_bias.maxnreg == plain.maxnreg, (ctx, extra)
                 # deterministic class weights on mma.sync: the register cap (TF32 dW held to 96 registers: 8 B)
                 cw = C.backward_config(
                     props, dtype, tf32=tf32, compiler=compiler, deterministic=True, class_weights=True
