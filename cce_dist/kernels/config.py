@@ -446,9 +446,10 @@ def backward_config(
     )
     # wgmma: the owner-computes dW kernel (bf16 / fp16, 128 x 128 x 64 over 8 warps) with a bias or class weights
     # spilled 8-264 B at 255 registers (19 launches of the backward's whole flag product on sm_90 with Triton 3.6, 14
-    # with 3.9; none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not.
+    # with 3.9; none of the covering levels'); half-wide vocab tiles (or half-high row tiles) do not. tcgen05: the same
+    # kernel (64 x 128 x 32) with a bias, class weights and a temperature, 48 B at 255 registers (sm_100, Triton 3.9).
     sixteen_bit = dtype != torch.float32
-    owner_pressure = deterministic and (bias or class_weights) and props.mma == "wgmma" and sixteen_bit
+    owner_pressure = deterministic and (bias or class_weights) and props.mma in ("wgmma", "tcgen05") and sixteen_bit
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
     halvings += filter_pressure + owner_pressure
