@@ -333,8 +333,8 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
     halves the config's vocab tile (unaligned rows with two epilogues twice; the filter on mma.sync / wgmma with
     Triton 3.6 and 3.7 once: the chunked dz kernel; the owner-computes kernels with a bias or class weights on wgmma
     with 3.6 once; on mma.sync and tcgen05 with the register cap at 255); a ragged token count alone, or one or two
-    epilogues, keep it. On tcgen05 a bias takes the register cap (the whole backward product on sm_100, Triton 3.9:
-    8-24 B at 128 registers)."""
+    epilogues, keep it. On tcgen05 every config takes the register cap (the whole backward product on sm_100,
+    Triton 3.9: 8-24 B at 128 registers)."""
     import torch
 
     from cce_dist.kernels import aot
@@ -375,21 +375,18 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 cw = dict(deterministic=True, class_weights=True)
                 assert block_v(bias=True, **cw) == block_v(**cw) == max(16, tiles(**cw) // (2 if owner else 1)), ctx
                 assert block_v(bias=True) == tiles(), ctx  # the chunked and per-tile kernels keep theirs
-                # tcgen05 with a bias: the register cap (ptxas held the fused / dH kernels beside a softcap or a
-                # temperature to 128 registers: 8-24 B, the whole backward product on sm_100, Triton 3.9)
+                # tcgen05: every config takes the register cap (ptxas held 8-warp kernels to 128 registers: 8-24 B in
+                # the whole backward product on sm_100, Triton 3.9); elsewhere a bias does not change the cap
                 for extra in (dict(), dict(softcap=True), dict(deterministic=True), dict(aligned=False)):
-                    with_bias = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, bias=True, **extra)
-                    if props.mma == "tcgen05":
-                        assert with_bias.maxnreg == 255, (ctx, extra)
-                    else:
+                    for b in (False, True):
+                        got = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, bias=b, **extra)
                         plain = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, **extra)
-                        assert with_bias.maxnreg == plain.maxnreg, (ctx, extra)
+                        assert got.maxnreg == (255 if props.mma == "tcgen05" else plain.maxnreg), (ctx, extra, b)
                 # deterministic class weights on mma.sync: the register cap (TF32 dW held to 96 registers: 8 B)
                 cw = C.backward_config(
                     props, dtype, tf32=tf32, compiler=compiler, deterministic=True, class_weights=True
                 )
-                halved_on_tcgen05 = props.mma == "tcgen05" and dtype != torch.float32  # the owner rule's halving
-                assert cw.maxnreg == (255 if props.mma == "mma" or not tf32 or halved_on_tcgen05 else None), ctx
+                assert cw.maxnreg == (255 if props.mma in ("mma", "tcgen05") or not tf32 else None), ctx
                 # rows not aligned with two epilogues: twice (the per-tile kernel still spilled 8 B at half width)
                 two = dict(softcap=True, filtering=True)
                 got = block_v(aligned=False, **two)

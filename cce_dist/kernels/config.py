@@ -409,8 +409,7 @@ def backward_config(
     ``class_weights`` (the GAMMA term weighed per vocab row): the deterministic dW kernel beside the softcap tiles
     then spills 8 B with 64x64 tiles on mma.sync (sm_80, sm_120), so it gets 64x32 tiles (on every target; over 4
     warps on mma.sync, where the deterministic configs also take 16-wide gradient-product chunks).
-    ``bias``: the head has a bias (its gradient is the dz row sums the kernels add up); on tcgen05 the register cap
-    at 255 then (ptxas held 8 warps to 128 registers and spilled 8-24 B beside a softcap or a temperature).
+    ``bias``: the head has a bias (its gradient is the dz row sums the kernels add up).
     ``compiler``: the Triton ``(major, minor)`` that will compile the kernel (default: the installed
     one, :func:`triton_version`); Triton before 3.8 allocates the filter test's registers worse on
     tcgen05, so filtering there gets 64x64 tiles (and 32-wide gradient-product chunks).
@@ -456,10 +455,12 @@ def backward_config(
     if halvings:
         cap = 255 if props.mma in ("mma", "tcgen05") else c.maxnreg
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
-    if bias and props.mma == "tcgen05":
-        # a bias beside a softcap or a temperature: ptxas held the fused and dH kernels (bf16 / fp16, 8 warps) to 128
-        # registers and spilled 8-24 B (the backward's whole flag product on sm_100, Triton 3.9); the cap at 255, as
-        # the forward takes with a bias there
+    if props.mma == "tcgen05":
+        # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
+        # covering level reached (the backward's whole flag product on sm_100, Triton 3.9: the fused and dH kernels
+        # with a bias beside a softcap or a temperature; the chunked dz kernel in TF32 with a softcap, a temperature
+        # and class weights): every backward config there takes the cap at 255 (the accumulators live in tensor
+        # memory; one 8-warp program per SM, as the pipelined tcgen05 kernels run anyway)
         c = dataclasses.replace(c, maxnreg=255)
     return c
 
