@@ -369,7 +369,9 @@ def forward_candidates(
         # on sm_120 (fp16 with argmax + sumsq, Triton 3.9; bf16 with sumsq, 3.6; benchmarks/results/aot_spills_pairs.md)
         # TF32 over 2 stages, as above: 3 spilled 8 B at 128 registers (sm_120, a ragged token count, Triton 3.9)
         # on sm_120 capped at 255, as the 8-warp tiles above: Triton 3.8 held TF32 to 128 registers (16 B, a softcap)
-        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3, maxnreg=cap120)]
+        # on every mma.sync target: Triton 3.6 held bf16 to 128 registers on sm_80 (8 B with SUM, ENTROPY and SUMSQ, the
+        # forward's whole flag product)
+        cands = [FwdConfig(64, 64, 16, num_warps=8, num_stages=2 if dtype == torch.float32 else 3, maxnreg=255)]
     if not aligned and props.mma == "mma":
         # no vectorized loads: the 4-warp 64x64 tile spilled 8-24 B there (sm_120, Triton 3.6 / 3.7), 8 warps do not
         cands = [dataclasses.replace(c, num_warps=8) for c in cands]
