@@ -260,6 +260,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     meta_file = work / "versions.json"
     versions = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    fingerprint = kernels_fingerprint()
     if not a.render_only:
         for spec in a.triton or ["installed"]:
             path = None if spec == "installed" else os.path.expanduser(spec.split("=", 1)[1])
@@ -267,7 +268,7 @@ def main() -> None:
             versions[info["version"]] = info
             meta_file.write_text(json.dumps(versions, indent=1))
             for t in a.targets.split(","):
-                if is_fresh(_cell(work, info["version"], t, a.level, a.matrix), kernels_fingerprint()) and not a.force:
+                if is_fresh(_cell(work, info["version"], t, a.level, a.matrix), fingerprint) and not a.force:
                     continue
                 print(f"compiling Triton {info['version']} {t} ({a.level}, {a.matrix})", flush=True)
                 compile_cell(path, info["version"], t, a.level, work, a.jobs, a.matrix)

@@ -34,6 +34,7 @@ Asserted per compiled kernel:
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import pathlib
@@ -227,8 +228,11 @@ def _assert_every_config_compiled(target: str, rows: list[dict], triton: str) ->
         )
     want = set()
     for dtype, tf32 in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float32, False)):
-        # every combination of forward_candidates' flags (lean and heavy exclude each other: plan_row_stats)
-        names = ("softcap", "aligned", "lean", "heavy", "bias", "temperature")
+        # every combination of forward_candidates' boolean flags, read from its signature (tf32 is the mode; lean and
+        # heavy exclude each other: plan_row_stats)
+        params = inspect.signature(C.forward_candidates).parameters.values()
+        names = tuple(p.name for p in params if isinstance(p.default, bool) and p.name != "tf32")
+        assert {"softcap", "aligned", "lean", "heavy", "bias", "temperature"} <= set(names), names
         combos = [dict(zip(names, vals)) for vals in itertools.product((False, True), repeat=len(names))]
         for f in (f for f in combos if not (f["lean"] and f["heavy"])):
             for c in C.forward_candidates(props, dtype, tf32, compiler=compiler, **f):
