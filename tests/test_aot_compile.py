@@ -380,12 +380,20 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 assert block_v(bias=True, **cw) == block_v(**cw) == max(16, tiles(**cw) // (2 if owner else 1)), ctx
                 assert block_v(bias=True) == tiles(), ctx  # the chunked and per-tile kernels keep theirs
                 # tcgen05: every config takes the register cap (ptxas held 8-warp kernels to 128 registers: 8-24 B in
-                # the whole backward product on sm_100, Triton 3.9); elsewhere a bias does not change the cap
-                for extra in (dict(), dict(softcap=True), dict(deterministic=True), dict(aligned=False)):
+                # the whole backward product on sm_100, Triton 3.9); mma.sync: the 8-warp per-tile / chunked configs
+                # with a bias, or a softcap beside class weights (8-16 B at 128 registers: the whole backward product
+                # on sm_80, Triton 3.6); elsewhere a bias does not change the cap
+                extras = (dict(), dict(softcap=True), dict(deterministic=True), dict(aligned=False))
+                for extra in (*extras, dict(class_weights=True), dict(softcap=True, class_weights=True)):
                     for b in (False, True):
                         got = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, bias=b, **extra)
                         plain = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, **extra)
-                        assert got.maxnreg == (255 if props.mma == "tcgen05" else plain.maxnreg), (ctx, extra, b)
+                        pressure = b or (extra.get("softcap") and extra.get("class_weights"))
+                        per_tile = not extra.get("deterministic") and got.num_warps == 8
+                        capped = props.mma == "tcgen05" or (props.mma == "mma" and per_tile and pressure)
+                        assert got.maxnreg == (255 if capped else plain.maxnreg), (ctx, extra, b)
+                        if props.mma == "mma":  # there only the cap changes
+                            assert (got.block_v, got.num_warps) == (plain.block_v, plain.num_warps), (ctx, extra, b)
                 # deterministic class weights on mma.sync: the register cap (TF32 dW held to 96 registers: 8 B)
                 cw = C.backward_config(
                     props, dtype, tf32=tf32, compiler=compiler, deterministic=True, class_weights=True
