@@ -293,7 +293,8 @@ def forward_candidates(
     ``bias``: the head has a bias (one more row of the tile's epilogue): no 256-wide vocab tile then on tcgen05 (8 B
     at 255 registers, sm_100, Triton 3.9) and on wgmma (24-224 B with the entropy statistic, Triton 3.6), and on
     tcgen05 the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B); TF32 on both with a softcap too:
-    no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8).
+    no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8), nor on
+    wgmma with a temperature and Triton 3.8 (8 B in fp16), whose wgmma tiles all take 32-wide K chunks.
     ``temperature``: the logits are divided by a temperature (one more multiply per logit).
 
     On tcgen05 (sm_100) the forward's whole flag product with Triton 3.9 found three more classes, each answered for
@@ -305,7 +306,10 @@ def forward_candidates(
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
         compiler = triton_version()
-    bd = 64 if dtype != torch.float32 else 32
+    # Triton 3.8 on wgmma: 64-wide K chunks spilled 24-88 B at 255 registers with the SUM / ENTROPY statistics (the
+    # 128 x 128 tile over two warpgroups and 64 x 128 over one, bf16 / fp16; the forward's whole flag product on sm_90),
+    # 32-wide ones do not (nor the lean 128 x 256 tile, 16 B with 64)
+    bd = 64 if dtype != torch.float32 and not (props.mma == "wgmma" and compiler == (3, 8)) else 32
     # mma.sync's 8-warp tiles on sm_120: ptxas held them to 128 registers and spilled 8-16 B (below), capped at 255
     cap120 = 255 if props.mma == "mma" and props.capability[0] >= 12 else None
     if props.mma == "tcgen05":
@@ -340,12 +344,12 @@ def forward_candidates(
         if bias:
             # the 256-wide tile with a bias spilled 24-224 B with the entropy statistic (bf16 / fp16 / TF32, Triton 3.6:
             # 24 launches of the forward's whole flag product on sm_90) and 224 B with a softcap (TF32, 3.6, a ragged
-            # token count); with a softcap in TF32 the 128-row one 64 B (Triton 3.8, a ragged token count)
-            tf32_cap = softcap and dtype == torch.float32
-            cands = [c for c in cands if c.block_v < 256 and not (tf32_cap and c.block_n == 128)]
+            # token count); with a softcap in TF32 the 128-row one 64 B (Triton 3.8, a ragged token count), and with a
+            # temperature in fp16 8 B (Triton 3.8, the forward's whole flag product)
+            tall = (softcap and dtype == torch.float32) or (temperature and compiler == (3, 8))
+            cands = [c for c in cands if c.block_v < 256 and not (tall and c.block_n == 128)]
         if lean and not softcap and not bias and dtype != torch.float32:
-            # Triton 3.8 spilled 16 B at 255 registers there with 64-wide K chunks (fp16); 32-wide ones do not
-            cands.insert(0, FwdConfig(128, 256, 32 if compiler == (3, 8) else bd, num_warps=8, num_stages=3))
+            cands.insert(0, FwdConfig(128, 256, bd, num_warps=8, num_stages=3))
     else:
         # mma.sync keeps the accumulator in registers: a 128x128 (or 4-warp 64x128) fp32 tile plus
         # the online-softmax epilogue spills; 64x128 over 8 warps does not. TF32 takes 2 stages of its 16-wide
