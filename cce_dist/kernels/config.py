@@ -294,7 +294,7 @@ def forward_candidates(
     at 255 registers, sm_100, Triton 3.9) and on wgmma (24-224 B with the entropy statistic, Triton 3.6), and on
     tcgen05 the register cap at 255 (ptxas held 64 x 128 to 128 registers: 8 B); TF32 on both with a softcap too:
     no 128 x 128 tile (32-64 B at a token count not a multiple of 16; sm_100 with Triton 3.9, sm_90 with 3.8), nor on
-    wgmma with a temperature and Triton 3.8 (8 B in fp16), whose wgmma tiles all take 32-wide K chunks.
+    wgmma with a temperature and Triton 3.8 (8 B in fp16), whose wgmma tiles all take half-wide K chunks.
     ``temperature``: the logits are divided by a temperature (one more multiply per logit).
 
     On tcgen05 (sm_100) the forward's whole flag product with Triton 3.9 found three more classes, each answered for
@@ -306,10 +306,12 @@ def forward_candidates(
         return [FP32_FWD_HEAVY if heavy else FP32_FWD]
     if compiler is None:
         compiler = triton_version()
-    # Triton 3.8 on wgmma: 64-wide K chunks spilled 24-88 B at 255 registers with the SUM / ENTROPY statistics (the
-    # 128 x 128 tile over two warpgroups and 64 x 128 over one, bf16 / fp16; the forward's whole flag product on sm_90),
-    # 32-wide ones do not (nor the lean 128 x 256 tile, 16 B with 64)
-    bd = 64 if dtype != torch.float32 and not (props.mma == "wgmma" and compiler == (3, 8)) else 32
+    bd = 64 if dtype != torch.float32 else 32
+    if props.mma == "wgmma" and compiler == (3, 8):
+        # Triton 3.8 on wgmma: with the SUM / ENTROPY statistics 64-wide K chunks spilled 24-88 B at 255 registers in
+        # bf16 / fp16, 32-wide ones 64-96 B in TF32 (the 128 x 128 tile over two warpgroups and 64 x 128 over one; the
+        # forward's whole flag product on sm_90); half as wide they do not (nor the lean 128 x 256 tile, 16 B with 64)
+        bd //= 2
     # mma.sync's 8-warp tiles on sm_120: ptxas held them to 128 registers and spilled 8-16 B (below), capped at 255
     cap120 = 255 if props.mma == "mma" and props.capability[0] >= 12 else None
     if props.mma == "tcgen05":
