@@ -463,10 +463,13 @@ def backward_config(
     if halvings:
         cap = 255 if props.mma == "mma" else c.maxnreg  # tcgen05: below
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
-    if props.mma == "mma" and not deterministic and c.num_warps == 8 and (bias or (softcap and class_weights)):
-        # ptxas held the 8-warp per-tile kernel (64 x 128) to 128 registers and spilled 8-16 B with a bias (bf16, fp16,
-        # TF32), or with a softcap beside class weights (the backward's whole flag product on sm_80, Triton 3.6: 14
-        # launches; the chunked dz kernel shares the config): the cap at 255
+    # mma.sync: ptxas held the 8-warp per-tile kernel (64 x 128) to 128 registers and spilled 8-16 B with a bias (bf16,
+    # fp16, TF32), or with a softcap beside class weights (bf16 / fp16; the backward's whole flag product on sm_80,
+    # Triton 3.6: 14 launches; the chunked dz kernel shares the config): the cap at 255. Not TF32 with a softcap beside
+    # class weights and no bias: there the cap made ptxas spill 16 B at 255 registers where its own choice did not
+    # (64 x 64 on sm_120, Triton 3.7 / 3.8, the each level)
+    held = bias or (softcap and class_weights and sixteen_bit)
+    if props.mma == "mma" and not deterministic and c.num_warps == 8 and held:
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
