@@ -10,10 +10,10 @@ planners make for the flag sets of ``LEVEL`` (``kernels.aot.LEVELS``: ``full`` i
 ``pairs`` a covering set in which every triple / pair of flag values occurs; ``--matrix fwd`` etc. one family),
 reduced to distinct specializations, compiled with that Triton's ptxas. Each cell's rows are kept in ``--work`` (one
 JSON per Triton x target x level x matrix, beside it its provenance: the commit and the fingerprint of
-``cce_dist/kernels``' sources it was compiled from). A cell already there is recompiled only with ``--force`` or when
-the kernels' sources changed since (a recompile of unchanged launches reads their records from
-``kernels.aot.cache_dir``, so it costs the planning only). The report is rendered from every cell present, each named
-with its commit, and a cell compiled from other kernel sources than the tree's is marked stale:
+``cce_dist/kernels``' code it was compiled from, comments and docstrings left out). A cell already there is
+recompiled only with ``--force`` or when the kernels' code changed since (a recompile of unchanged launches reads their
+records from ``kernels.aot.cache_dir``, so it costs the planning only). The report is rendered from every cell
+present, each named with its commit, and a cell compiled from other kernel code than the tree's is marked stale:
 
     python -m benchmarks.aot_matrix --level pairs \\
         --triton 3.6.0=~/.cache/cce_dist/triton-3.6.0 --triton 3.7.1=~/.cache/cce_dist/triton-3.7.1 \\
@@ -28,6 +28,7 @@ besides the work folder.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import hashlib
 import json
@@ -70,12 +71,32 @@ def _cell(work: pathlib.Path, version: str, target: str, level: str, matrix: str
     return work / f"{version}-{target}-{level}{'' if matrix == 'all' else '-' + matrix}.json"
 
 
+def _code_of(source: bytes) -> bytes:
+    """The code of a Python module without its comments, docstrings and layout: its syntax tree with every statement
+    that is a bare string literal removed, dumped without positions (so a comment or docstring edit keeps it)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                kept = [
+                    s
+                    for s in stmts
+                    if not (
+                        isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str)
+                    )
+                ]
+                setattr(node, field, kept or [ast.Pass()])
+    return ast.dump(tree).encode()
+
+
 def kernels_fingerprint(repo: pathlib.Path = REPO) -> str:
-    """Hash of the sources that decide what a cell compiles and what it records: ``cce_dist/kernels/*.py`` (the
-    kernels, their configs and planners, the enumeration of ``kernels.aot``, the cubin reader)."""
+    """Hash of the code that decides what a cell compiles and what it records: ``cce_dist/kernels/*.py`` (the
+    kernels, their configs and planners, the enumeration of ``kernels.aot``, the cubin reader), comments and
+    docstrings left out (:func:`_code_of`): documenting a rule does not make hours of compiled cells stale."""
     h = hashlib.sha256()
     for f in sorted((repo / "cce_dist" / "kernels").glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.name.encode() + b"\0" + _code_of(f.read_bytes()) + b"\0")
     return h.hexdigest()[:16]
 
 

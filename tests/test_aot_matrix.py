@@ -69,7 +69,7 @@ def test_each_cell_names_its_commit_and_stale_cells_are_marked(tmp_path):
     assert "marked stale" in md
 
 
-def test_is_fresh_follows_the_kernel_sources(tmp_path):
+def test_is_fresh_follows_the_kernel_code_not_its_comments(tmp_path):
     repo = tmp_path / "repo"
     (repo / "cce_dist" / "kernels").mkdir(parents=True)
     src = repo / "cce_dist" / "kernels" / "forward.py"
@@ -78,8 +78,17 @@ def test_is_fresh_follows_the_kernel_sources(tmp_path):
     fp = aot_matrix.kernels_fingerprint(repo)
     (repo / "cce_dist" / "other.py").write_text("x = 2\n")  # outside the kernels: same fingerprint
     assert aot_matrix.kernels_fingerprint(repo) == fp
-    src.write_text("BLOCK = 128\n")
+    src.write_text('"""Tiles."""\n\nBLOCK = 64  # a comment\n\n\ndef f():\n    """Doc."""\n    return BLOCK\n')
+    fp = aot_matrix.kernels_fingerprint(repo)
+    # comments, docstrings and layout: the same fingerprint (documenting a rule leaves the compiled cells fresh)
+    src.write_text('"""Tiles, reworded."""\nBLOCK = 64  # another\n# a new line\n\ndef f():\n    return BLOCK\n')
+    assert aot_matrix.kernels_fingerprint(repo) == fp
+    src.write_text('"""Tiles."""\n\nBLOCK = 128  # a comment\n\n\ndef f():\n    """Doc."""\n    return BLOCK\n')
+    assert aot_matrix.kernels_fingerprint(repo) != fp  # the code changed
+    src.write_text('"""Tiles."""\n\nBLOCK = 64  # a comment\n\n\ndef f():\n    """Doc."""\n    return BLOCK + 0\n')
     assert aot_matrix.kernels_fingerprint(repo) != fp
+    src.write_text('"""Tiles."""\n\nBLOCK = 64  # a comment\n\n\ndef f():\n    """Doc."""\n    return "BLOCK"\n')
+    assert aot_matrix.kernels_fingerprint(repo) != fp  # a string that is a value, not a docstring
 
     cell = _write(tmp_path, "sm_90", [], {"commit": "c", "dirty": False, "kernels": fp, "compiled_utc": ""})
     assert aot_matrix.is_fresh(cell, fp) and not aot_matrix.is_fresh(cell, "other")
