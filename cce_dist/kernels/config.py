@@ -310,7 +310,8 @@ def forward_candidates(
     if props.mma == "wgmma" and compiler == (3, 8):
         # Triton 3.8 on wgmma: with the SUM / ENTROPY statistics 64-wide K chunks spilled 24-88 B at 255 registers in
         # bf16 / fp16, 32-wide ones 64-96 B in TF32 (the 128 x 128 tile over two warpgroups and 64 x 128 over one; the
-        # forward's whole flag product on sm_90); half as wide they do not (nor the lean 128 x 256 tile, 16 B with 64)
+        # forward's whole flag product on sm_90). Half as wide, none of them spills, nor does the lean 128 x 256 tile
+        # (16 B in 64-wide chunks)
         bd //= 2
     # mma.sync's 8-warp tiles on sm_120: ptxas held them to 128 registers and spilled 8-16 B (below), capped at 255
     cap120 = 255 if props.mma == "mma" and props.capability[0] >= 12 else None
