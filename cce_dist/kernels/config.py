@@ -321,9 +321,13 @@ def forward_candidates(
         # Triton 3.7 (ptxas held these two to 128 registers) spilled 8 B in TF32 128x128 with 16-wide K chunks and
         # 16 B in 64x128 with 64-wide ones; 32-wide chunks do not spill (benchmarks/results/aot_spills.md).
         k37 = compiler == (3, 7)
+        # Triton 3.6 held TF32 64 x 256 to 128 registers and spilled 8 B with the entropy statistic (the forward's
+        # whole flag product on sm_100): the cap at 255 there. Not on 3.8 / 3.9, where it is clean at 141-160
+        # registers uncapped and the cap made ptxas spill 40-96 B at 255
+        cap36 = 255 if compiler < (3, 7) else None
         if dtype == torch.float32:
             cands = [
-                FwdConfig(64, 256, 16, num_warps=8, num_stages=3),
+                FwdConfig(64, 256, 16, num_warps=8, num_stages=3, maxnreg=cap36),
                 FwdConfig(128, 128, 32 if k37 else 16, num_warps=8, num_stages=3),
                 FwdConfig(64, 128, 32, num_warps=8, num_stages=3),
             ]
