@@ -379,6 +379,14 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                 cw = dict(deterministic=True, class_weights=True)
                 assert block_v(bias=True, **cw) == block_v(**cw) == max(16, tiles(**cw) // (2 if owner else 1)), ctx
                 assert block_v(bias=True) == tiles(), ctx  # the chunked and per-tile kernels keep theirs
+                # tcgen05 with Triton 3.6: a bias beside class weights (bf16 / fp16) or beside a softcap and the filter
+                # (TF32) halves them (the chunked dz kernel spilled 80-96 B / 16 B: the whole backward product, sm_100)
+                early = props.mma == "tcgen05" and compiler == (3, 6)
+                by_cw = 2 if early and dtype != torch.float32 else 1
+                assert block_v(bias=True, class_weights=True) == max(16, tiles(class_weights=True) // by_cw), ctx
+                assert block_v(class_weights=True) == tiles(class_weights=True), ctx
+                by_sf = (2 if with_softcap else 1) * (2 if early and dtype == torch.float32 and tf32 else 1)
+                assert block_v(bias=True, **sf) == max(16, tiles(**sf) // by_sf), ctx
                 # tcgen05: every config takes the register cap (ptxas held 8-warp kernels to 128 registers: 8-24 B in
                 # the whole backward product on sm_100, Triton 3.9); mma.sync: the 8-warp per-tile / chunked configs
                 # with a bias, or a softcap beside class weights (8-16 B at 128 registers: the whole backward product

@@ -462,9 +462,16 @@ def backward_config(
     # kernel (64 x 128 x 32) with a bias, class weights and a temperature, 48 B at 255 registers (sm_100, Triton 3.9).
     sixteen_bit = dtype != torch.float32
     owner_pressure = deterministic and (bias or class_weights) and props.mma in ("wgmma", "tcgen05") and sixteen_bit
+    # tcgen05 with Triton 3.6: the chunked dz kernel with a bias spilled 80-96 B at 255 registers beside class weights
+    # (bf16 / fp16, 128 x 128 x 64; 3.9 holds it in 193) and 16 B beside a softcap and the filter (TF32, 64 x 128 x
+    # 32; the backward's whole flag product on sm_100); half-wide vocab tiles do not
+    old_tcgen05 = props.mma == "tcgen05" and compiler < (3, 7) and bias and not deterministic
+    tcgen05_pressure = old_tcgen05 and (
+        (class_weights and sixteen_bit) or (softcap and filtering and dtype == torch.float32 and tf32)
+    )
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
-    halvings += filter_pressure + owner_pressure
+    halvings += filter_pressure + owner_pressure + tcgen05_pressure
     if halvings:
         cap = 255 if props.mma == "mma" else c.maxnreg  # tcgen05: below
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
