@@ -493,6 +493,11 @@ def test_forward_candidates_under_register_pressure():
         first120, first86 = C.forward_candidates(p120, dtype)[0], C.forward_candidates(p86, dtype)[0]
         assert (first120.num_warps, first120.block_v, first120.maxnreg) == (8, 128, 255)
         assert first86.maxnreg is None
+        # every sm_120 candidate: the 4-warp 64 x 64 one was held to 168 registers (8 B with a bias, SUM and ENTROPY in
+        # fp16), over the 8 warps of rows not aligned to 128 (16 B in TF32; the whole forward product, Triton 3.9)
+        for aligned in (True, False):
+            assert all(c.maxnreg == 255 for c in C.forward_candidates(p120, dtype, aligned=aligned, bias=True))
+            assert all(c.maxnreg is None for c in C.forward_candidates(p86, dtype, aligned=aligned, bias=True))
         # and its row-output tile (Triton 3.8 held TF32 to 128 registers: 16 B)
         assert [c.maxnreg for c in C.forward_candidates(p120, dtype, heavy=True)] == [255]
         # on every mma.sync target (Triton 3.6 held bf16 to 128 registers on sm_80: 8 B, the whole forward product)

@@ -363,12 +363,15 @@ def forward_candidates(
         # chunks: with 3, ptxas held the lean epilogue (no SUM / ENTROPY) to 128 registers and spilled 8 B on sm_120
         # (Triton 3.9, benchmarks/results/aot_spills.md).
         # On sm_120 ptxas held the 8-warp 64x128 tile to 128 registers and spilled 8-16 B (a bias and a temperature in
-        # bf16; TF32 at a token count not a multiple of 16; Triton 3.9, the triples level): capped at 255 there.
+        # bf16; TF32 at a token count not a multiple of 16; Triton 3.9, the triples level): capped at 255 there. So is
+        # the 64 x 64 one: 168 registers over 4 warps and 8 B with a bias, SUM and ENTROPY (fp16), 128 over the 8 warps
+        # of rows not aligned and 16 B with a softcap, a temperature and SUM (TF32; the forward's whole flag product,
+        # Triton 3.9).
         cands = [
             FwdConfig(64, 128, 32, num_warps=8, num_stages=3, maxnreg=cap120)
             if dtype != torch.float32
             else FwdConfig(64, 128, 16, num_warps=8, num_stages=2, maxnreg=cap120),
-            FwdConfig(64, 64, 32, num_warps=4, num_stages=3),
+            FwdConfig(64, 64, 32, num_warps=4, num_stages=3, maxnreg=cap120),
         ]
     if heavy and props.mma == "wgmma":
         # the NaN-aware per-tile argmax: a 64x128 tile over one warpgroup spills (~100 B), over two it does not
