@@ -403,13 +403,14 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
                         assert got.maxnreg == (255 if capped else plain.maxnreg), (ctx, extra, b)
                         if props.mma == "mma":  # there only the cap changes
                             assert (got.block_v, got.num_warps) == (plain.block_v, plain.num_warps), (ctx, extra, b)
-                # the 4-warp deterministic configs on mma.sync with a bias beside the filter: the register cap (the dH
-                # kernel held to 168 registers: 16 B in bf16, sm_120, Triton 3.9, the whole backward product)
+                # the 4-warp deterministic configs on sm_120 with a bias beside the filter: the register cap (the dH
+                # kernel held to 168 registers: 16 B in bf16, Triton 3.9, the whole backward product); not on sm_80 /
+                # sm_86 (there the cap made the dH kernel spill 40 B: sm_86, 3.9)
                 df = dict(deterministic=True, filtering=True)
                 with_b = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, bias=True, **df)
                 without = C.backward_config(props, dtype, tf32=tf32, compiler=compiler, **df)
                 newer = compiler >= (3, 9) or (props.capability[0] >= 12 and compiler >= (3, 7))  # 4 warps there
-                if props.mma == "mma" and dtype != torch.float32 and newer:
+                if props.capability[0] >= 12 and dtype != torch.float32 and newer:
                     assert (with_b.num_warps, with_b.maxnreg) == (4, 255), ctx
                 elif props.mma != "tcgen05":
                     assert with_b.maxnreg == without.maxnreg, ctx

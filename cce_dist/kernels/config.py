@@ -486,10 +486,11 @@ def backward_config(
     held = bias or (softcap and class_weights and sixteen_bit)
     if props.mma == "mma" and not deterministic and c.num_warps == 8 and held:
         c = dataclasses.replace(c, maxnreg=255)
-    # and the 4-warp deterministic dH kernel (bf16, its token tile halved to 32 x 64) with a bias, a temperature and
-    # the filter to 168 registers: 16 B (sm_120, Triton 3.9, the backward's whole flag product): the cap at 255 with a
-    # bias beside the filter
-    if props.mma == "mma" and deterministic and c.num_warps == 4 and bias and filtering:
+    # and on sm_120 the 4-warp deterministic dH kernel (bf16, its token tile halved to 32 x 64) with a bias, a
+    # temperature and the filter to 168 registers: 16 B (Triton 3.9, the backward's whole flag product): the cap at 255
+    # with a bias beside the filter there. Not on sm_86, where the cap made that kernel (64 x 64) spill 40 B (3.9, the
+    # each level)
+    if props.mma == "mma" and props.capability[0] >= 12 and deterministic and c.num_warps == 4 and bias and filtering:
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
