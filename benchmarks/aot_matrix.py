@@ -132,7 +132,10 @@ def _compiled_at(cell: pathlib.Path, fingerprint: str) -> str:
     if prov is None:
         return "unrecorded (stale)"
     at = f"`{prov['commit'][:9]}`" + (" + uncommitted kernel changes" if prov.get("dirty") else "")
-    return at if prov.get("kernels") == fingerprint else f"{at} (stale: kernels changed since)"
+    if prov.get("kernels") != fingerprint:
+        return f"{at} (stale: kernels changed since)"
+    carried = prov.get("carried")  # its launches shown unchanged at a later commit (only config rules changed)
+    return f"{at}, same launches at `{carried['to_commit'][:9]}`" if carried and carried.get("to_commit") else at
 
 
 def compile_cell(
@@ -221,8 +224,10 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
         }[level]
         + ("" if matrix == "all" else f" Kernels: {', '.join(MATRICES[matrix])} only.")
         + " The launches are reduced to distinct specializations (Triton's cache key). Each cell names the commit it "
-        "was compiled at; one compiled from other kernel sources (`cce_dist/kernels/*.py`) than this commit's is "
-        "marked stale: it is not evidence for this commit.",
+        "was compiled at; one compiled from other kernel code (`cce_dist/kernels/*.py`, comments aside) than this "
+        "commit's is marked stale: it is not evidence for this commit. A cell named with a later commit too ('same "
+        "launches at') was compiled before a change to config rules only, whose every output for that target and "
+        "Triton was checked identical at the later commit: it plans the same launches.",
         "",
         f"Spill bound (`cce_dist.kernels.aot.SPILL_BOUND`, asserted by tests/test_aot_compile.py): {SPILL_BOUND} B "
         "for every launch: bf16 / fp16 / TF32 (and the TF32 teacher) on tensor cores and fp32 IEEE (FMA dot), at "

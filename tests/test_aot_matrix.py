@@ -65,6 +65,13 @@ def test_each_cell_names_its_commit_and_stale_cells_are_marked(tmp_path):
     assert table["sm_100"][-1] == "unrecorded (stale)"
     assert table["sm_120"][-1] == "`012345678` + uncommitted kernel changes"
     assert table["sm_86"][2] == "not compiled" and len(table["sm_86"]) == len(table["sm_90"])
+    # a cell carried over a change to config rules only (its launches checked unchanged): named with both commits
+    carried = {**prov, "carried": {"from_kernels": "old", "to_commit": "fedcba9876543210"}}
+    (tmp_path / "c").mkdir()
+    _write(tmp_path / "c", "sm_86", [_row("bf16/paper/fwd:plain/_row_stats_kernel")], carried)
+    assert _table(aot_matrix.render(tmp_path / "c", "full", VERSIONS, "fwd"))["sm_86"][-1] == (
+        "`012345678`, same launches at `fedcba987`"
+    )
     assert "- 3.9.0 sm_80: over its bound: `bf16/paper/fwd:bias/_row_stats_kernel` 64x128x64 w8s3: 24 B" in md
     assert "marked stale" in md
 
