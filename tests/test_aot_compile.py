@@ -464,7 +464,10 @@ def test_forward_candidates_under_register_pressure():
             assert with_bias and all(c.block_v < 256 and c.maxnreg == 255 for c in with_bias), (dtype, softcap)
             if dtype == torch.float32:
                 assert all(c.block_n < 128 for c in with_bias)
-            assert all(c.maxnreg is None for c in C.forward_candidates(p100, dtype, softcap=softcap))
+            for compiler in ((3, 6), (3, 7), (3, 8), (3, 9)):  # uncapped, but TF32 64 x 256 with 3.6 (below)
+                plain = C.forward_candidates(p100, dtype, softcap=softcap, compiler=compiler)
+                tf32_36 = dtype == torch.float32 and compiler == (3, 6)
+                assert all(c.maxnreg is None for c in plain if not (tf32_36 and c.block_v == 256)), (dtype, compiler)
             warm = C.forward_candidates(p100, dtype, softcap=softcap, temperature=True)
             assert warm and all(c.block_v < 256 and c.maxnreg is None for c in warm), (dtype, softcap)
             for aligned in (True, False):
