@@ -10,19 +10,26 @@ planners make for the flag sets of ``LEVEL`` (``kernels.aot.LEVELS``: ``full`` i
 ``pairs`` a covering set in which every triple / pair of flag values occurs; ``--matrix fwd`` etc. one family),
 reduced to distinct specializations, compiled with that Triton's ptxas. Each cell's rows are kept in ``--work`` (one
 JSON per Triton x target x level x matrix, beside it its provenance: the commit and the fingerprint of
-``cce_dist/kernels``' code it was compiled from, comments and docstrings left out). A cell already there is
-recompiled only with ``--force`` or when the kernels' code changed since (a recompile of unchanged launches reads their
-records from ``kernels.aot.cache_dir``, so it costs the planning only). The report is rendered from every cell
-present, each named with its commit, and a cell compiled from other kernel code than the tree's is marked stale:
+``cce_dist/kernels``' code it was compiled from, comments and docstrings left out, and the digest of the launches it
+compiled, their Triton cache keys). A work folder lives as long as a session; what lasts is the report's ledger,
+committed beside it (``--out``'s ``.json``: per cell its summary and provenance), into which every cell compiled is
+folded and from which the report is rendered, so cells compiled in different sessions make one report.
 
-    python -m benchmarks.aot_matrix --level pairs \\
+A cell is compiled unless the ledger holds it compiled from the tree's kernel code (``--force``: compiled anyway; a
+recompile of unchanged launches reads their records from ``kernels.aot.cache_dir``, so it costs the planning only).
+A cell compiled from other kernel code is marked stale in the report: it is not evidence for this commit. With
+``--replan`` the ledger's cells of each ``--triton`` are first planned again (no compile) at the tree's code, and a
+stale cell whose launches are the same (a change to config rules that does not touch that Triton and target) is
+carried: named with both commits, no longer stale:
+
+    python -m benchmarks.aot_matrix --level triples --replan \\
         --triton 3.6.0=~/.cache/cce_dist/triton-3.6.0 --triton 3.7.1=~/.cache/cce_dist/triton-3.7.1 \\
         --triton 3.8.0=~/.cache/cce_dist/triton-3.8.0 --triton installed \\
-        --out benchmarks/results/aot_spills.md
-    python -m benchmarks.aot_matrix --render-only --level pairs --out benchmarks/results/aot_spills.md
+        --out benchmarks/results/aot_spills_triples.md
+    python -m benchmarks.aot_matrix --render-only --level triples --out benchmarks/results/aot_spills_triples.md
 
-At most ``--jobs`` (default 2) compiler processes run at a time. Writes ``--out`` (markdown) and nothing else
-besides the work folder.
+At most ``--jobs`` (default 2) compiler processes run at a time. Writes ``--out`` (markdown) and its ledger, and
+nothing else besides the work folder.
 """
 
 from __future__ import annotations
@@ -127,14 +134,11 @@ def _git_status(*pathspec: str, repo: pathlib.Path = REPO) -> str:
     return subprocess.run(cmd, cwd=repo, capture_output=True, text=True).stdout.strip()
 
 
-def _compiled_at(cell: pathlib.Path, fingerprint: str) -> str:
-    prov = read_provenance(cell)
-    if prov is None:
-        return "unrecorded (stale)"
+def _compiled_at(prov: dict, fingerprint: str) -> str:
     at = f"`{prov['commit'][:9]}`" + (" + uncommitted kernel changes" if prov.get("dirty") else "")
     if prov.get("kernels") != fingerprint:
         return f"{at} (stale: kernels changed since)"
-    carried = prov.get("carried")  # its launches shown unchanged at a later commit (only config rules changed)
+    carried = prov.get("carried")  # its launches re-planned unchanged at a later commit (see replan)
     return f"{at}, same launches at `{carried['to_commit'][:9]}`" if carried and carried.get("to_commit") else at
 
 
@@ -156,12 +160,44 @@ def compile_cell(
         raise RuntimeError(f"{version} {target}: cce_dist/kernels changed during the compile; not recorded")
     os.replace(tmp, out)
     stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
-    prov = {"commit": commit, "dirty": dirty, "kernels": before, "compiled_utc": stamp}
+    rows = json.loads(out.read_text())
+    prov = {"commit": commit, "dirty": dirty, "kernels": before, "compiled_utc": stamp, "launches": launch_digest(rows)}
     _provenance(out).write_text(json.dumps(prov))
 
 
+def launch_digest(rows: list[dict]) -> str | None:
+    """Digest of the set of launches a cell compiled: their Triton cache keys (``hash``, which is
+    ``kernels.aot.launch_key``: source, constexprs, specialization, options, target). Two plans with one digest compile
+    the same kernels. None when a launch failed (it has no key)."""
+    if not all(r["ok"] for r in rows):
+        return None
+    return hashlib.sha256("\n".join(sorted(r["hash"] for r in rows)).encode()).hexdigest()[:16]
+
+
+#: Run in a subprocess with a Triton first on the path: plans a cell (no compile) and prints its launch digest,
+#: collecting the keys ``kernels.aot.plan`` computes for each launch.
+_PLAN_DIGEST = """
+import hashlib, sys
+from cce_dist.kernels import aot, config
+keys, key_of = set(), aot.launch_key
+aot.launch_key = lambda *a: (k := key_of(*a), keys.add(k))[0]
+target, matrix, level = sys.argv[1:4]
+aot.plan(config.KNOWN_DEVICES[target], aot.MATRICES[matrix], level)
+print(hashlib.sha256("\\n".join(sorted(keys)).encode()).hexdigest()[:16])
+"""
+
+
+def planned_digest(path: str | None, target: str, level: str, matrix: str) -> str:
+    """:func:`launch_digest` of what the tree plans for the cell today with the Triton in ``path`` (no compile)."""
+    cmd = [sys.executable, "-c", _PLAN_DIGEST, target, matrix, level]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(path), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"planning {target}: {proc.stderr[-3000:]}")
+    return proc.stdout.split()[-1]
+
+
 def summarize(rows: list[dict], target: str) -> dict:
-    """Counts, maxima and offenders of one cell."""
+    """Counts, maxima and offenders of one cell (offending launches described in words: what a report keeps)."""
     ok = [r for r in rows if r["ok"]]
 
     def worst(sel):
@@ -179,8 +215,8 @@ def summarize(rows: list[dict], target: str) -> dict:
         "max_spill_ragged": worst(ragged),
         "max_shared": max((r["shared"] for r in ok), default=0),
         "over_shared": [r["label"] for r in ok if r["shared"] > LIMITS[target]],
-        "over_bound": [r for r in spilling if r["stack"] + r["local"] > SPILL_BOUND],
-        "within_bound": [r for r in spilling if r["stack"] + r["local"] <= SPILL_BOUND],
+        "over_bound": [_describe(r) for r in spilling if r["stack"] + r["local"] > SPILL_BOUND],
+        "within_bound": [_describe(r) for r in spilling if r["stack"] + r["local"] <= SPILL_BOUND],
     }
 
 
@@ -191,8 +227,69 @@ def _describe(r: dict) -> str:
     return f"`{r['label']}` {tile} w{r['num_warps']}s{r['num_stages']}{cap}: {r['stack'] + r['local']} B"
 
 
-def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: str = "all") -> str:
-    """The markdown report of every cell of ``level`` (and ``matrix``) in ``work``."""
+def ledger_path(out: pathlib.Path) -> pathlib.Path:
+    """The report's ledger, committed beside it (``aot_spills_full_fwd.md`` -> ``.json``): per Triton and target the
+    cell's summary and provenance. The report is rendered from it, so cells compiled in earlier sessions (whose work
+    folders are gone) stay in it, and a new cell is added to them."""
+    return out.with_suffix(".json")
+
+
+def load_ledger(path: pathlib.Path) -> dict:
+    """``{"versions": {VERSION: {version, ptxas}}, "cells": {"VERSION/TARGET": {"summary", "provenance"}}}``."""
+    return json.loads(path.read_text()) if path.exists() else {"versions": {}, "cells": {}}
+
+
+def fold(ledger: dict, work: pathlib.Path, level: str, matrix: str = "all") -> list[str]:
+    """Fold the cells in ``work`` into ``ledger`` (in place): a cell replaces the ledger's record of its Triton and
+    target unless that record is as recent (the same compile, perhaps carried since) or newer. Returns the keys
+    folded."""
+    folded = []
+    for v in sorted(ledger["versions"]):
+        for t in TARGETS:
+            f = _cell(work, v, t, level, matrix)
+            prov = read_provenance(f) if f.exists() else None
+            if prov is None:
+                continue
+            old = ledger["cells"].get(f"{v}/{t}")
+            if old is not None and old["provenance"].get("compiled_utc", "") >= prov["compiled_utc"]:
+                continue
+            rows = json.loads(f.read_text())
+            prov.setdefault("launches", launch_digest(rows))  # a cell compiled before digests were recorded
+            ledger["cells"][f"{v}/{t}"] = {"summary": summarize(rows, t), "provenance": prov}
+            folded.append(f"{v}/{t}")
+    return folded
+
+
+def replan(ledger: dict, path: str | None, version: str, targets: list[str], level: str, matrix: str) -> list[str]:
+    """Re-plan (no compile) the ledger's cells of Triton ``version`` (installed in ``path``) on ``targets`` at the
+    tree's code, and compare the launches with those the cell compiled (:func:`launch_digest`):
+
+    - a cell compiled from other kernel code whose launches are the same (a change to config rules or planners that
+      plans nothing new for that Triton and target) is carried: fresh, named with both commits;
+    - a fresh cell without a digest (migrated from a report) gets one;
+    - otherwise the difference is reported: the cell must be compiled again. Returns one line per cell."""
+    fingerprint, head = kernels_fingerprint(), _head()
+    said = []
+    for t in targets:
+        rec = ledger["cells"].get(f"{version}/{t}")
+        if rec is None:
+            continue
+        prov, digest = rec["provenance"], planned_digest(path, t, level, matrix)
+        if prov.get("kernels") == fingerprint and prov.get("launches") in (None, digest):
+            said.append(f"{version} {t}: fresh" + ("" if prov.get("launches") else ", digest recorded"))
+            prov["launches"] = digest
+        elif prov.get("kernels") != fingerprint and prov.get("launches") == digest:
+            prov["carried"] = {"from_kernels": prov["kernels"], "to_commit": head}
+            prov["kernels"] = fingerprint
+            said.append(f"{version} {t}: same launches at {head[:9]}: carried")
+        else:
+            said.append(f"{version} {t}: launches differ from those compiled ({prov.get('launches')} -> {digest})")
+    return said
+
+
+def render(ledger: dict, level: str, matrix: str = "all") -> str:
+    """The markdown report of the cells in ``ledger`` (of ``level`` and ``matrix``)."""
+    versions = ledger["versions"]
     commit, fingerprint = _head(), kernels_fingerprint()
     # a change to the results files (another render) does not change what was compiled
     dirty = _git_status(".", ":!benchmarks/results")
@@ -226,8 +323,8 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
         + " The launches are reduced to distinct specializations (Triton's cache key). Each cell names the commit it "
         "was compiled at; one compiled from other kernel code (`cce_dist/kernels/*.py`, comments aside) than this "
         "commit's is marked stale: it is not evidence for this commit. A cell named with a later commit too ('same "
-        "launches at') was compiled before a change to config rules only, whose every output for that target and "
-        "Triton was checked identical at the later commit: it plans the same launches.",
+        "launches at') was compiled before a change to config rules or planners only, and planned again at the later "
+        "commit (`--replan`): the same launches, by their Triton cache keys.",
         "",
         f"Spill bound (`cce_dist.kernels.aot.SPILL_BOUND`, asserted by tests/test_aot_compile.py): {SPILL_BOUND} B "
         "for every launch: bf16 / fp16 / TF32 (and the TF32 teacher) on tensor cores and fp32 IEEE (FMA dot), at "
@@ -248,24 +345,24 @@ def render(work: pathlib.Path, level: str, versions: dict[str, dict], matrix: st
     details = []
     for v in sorted(versions):
         for t in TARGETS:
-            f = _cell(work, v, t, level, matrix)
-            if not f.exists():
+            rec = ledger["cells"].get(f"{v}/{t}")
+            if rec is None:
                 lines.append(f"| {v} | {t} | not compiled | | | | | | | |")
                 continue
-            s = summarize(json.loads(f.read_text()), t)
+            s = rec["summary"]
             lines.append(
                 f"| {v} | {t} | {s['kernels']} | {len(s['failed'])} | {s['max_spill']} B | {s['max_spill_ieee']} B | "
                 f"{s['max_spill_ragged']} B | {s['max_shared']} ({LIMITS[t]}) | "
-                f"{len(s['over_bound']) + len(s['over_shared'])} | {_compiled_at(f, fingerprint)} |"
+                f"{len(s['over_bound']) + len(s['over_shared'])} | {_compiled_at(rec['provenance'], fingerprint)} |"
             )
             for r in s["over_bound"]:
-                details.append(f"- {v} {t}: over its bound: {_describe(r)}")
+                details.append(f"- {v} {t}: over its bound: {r}")
             for label in s["over_shared"]:
                 details.append(f"- {v} {t}: shared memory over the limit: `{label}`")
             for e in s["failed"]:
                 details.append(f"- {v} {t}: failed: {e}")
             for r in s["within_bound"]:
-                details.append(f"- {v} {t}: within its bound: {_describe(r)}")
+                details.append(f"- {v} {t}: within its bound: {r}")
     lines += ["", "## Spilling, failing or oversized kernels", ""] + (details or ["None."])
     return "\n".join(lines) + "\n"
 
@@ -279,27 +376,48 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", default=str(pathlib.Path.home() / ".cache" / "cce_dist" / "aot_matrix"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "aot_spills.md"))
-    ap.add_argument("--force", action="store_true", help="recompile cells already in --work, fresh ones too")
-    ap.add_argument("--render-only", action="store_true", help="compile nothing; render the cells in --work")
+    ap.add_argument("--force", action="store_true", help="recompile cells, fresh ones too")
+    ap.add_argument("--render-only", action="store_true", help="compile nothing; render the ledger (and --work)")
+    ap.add_argument(
+        "--replan",
+        action="store_true",
+        help="re-plan the ledger's cells first; carry those whose launches are unchanged",
+    )
     a = ap.parse_args()
+    out = pathlib.Path(a.out)
+    ledger = load_ledger(ledger_path(out))
     work = pathlib.Path(a.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     meta_file = work / "versions.json"
-    versions = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-    fingerprint = kernels_fingerprint()
-    if not a.render_only:
-        for spec in a.triton or ["installed"]:
-            path = None if spec == "installed" else os.path.expanduser(spec.split("=", 1)[1])
-            info = _probe(path)
-            versions[info["version"]] = info
-            meta_file.write_text(json.dumps(versions, indent=1))
-            for t in a.targets.split(","):
-                if is_fresh(_cell(work, info["version"], t, a.level, a.matrix), fingerprint) and not a.force:
-                    continue
-                print(f"compiling Triton {info['version']} {t} ({a.level}, {a.matrix})", flush=True)
-                compile_cell(path, info["version"], t, a.level, work, a.jobs, a.matrix)
-    pathlib.Path(a.out).write_text(render(work, a.level, versions, a.matrix))
-    print(f"wrote {a.out}")
+    if meta_file.exists():
+        ledger["versions"].update(json.loads(meta_file.read_text()))
+    targets, fingerprint = a.targets.split(","), kernels_fingerprint()
+
+    def save() -> None:
+        fold(ledger, work, a.level, a.matrix)
+        ledger_path(out).write_text(json.dumps(ledger, indent=1, sort_keys=True) + "\n")
+        out.write_text(render(ledger, a.level, a.matrix))
+
+    save()
+    for spec in (a.triton or ["installed"]) if a.replan or not a.render_only else []:
+        path = None if spec == "installed" else os.path.expanduser(spec.split("=", 1)[1])
+        info = _probe(path)
+        ledger["versions"][info["version"]] = info
+        meta_file.write_text(json.dumps({**ledger["versions"]}, indent=1))
+        if a.replan:
+            for line in replan(ledger, path, info["version"], targets, a.level, a.matrix):
+                print(line, flush=True)
+            save()
+        if a.render_only:
+            continue
+        for t in targets:
+            rec = ledger["cells"].get(f"{info['version']}/{t}")
+            if rec is not None and rec["provenance"].get("kernels") == fingerprint and not a.force:
+                continue
+            print(f"compiling Triton {info['version']} {t} ({a.level}, {a.matrix})", flush=True)
+            compile_cell(path, info["version"], t, a.level, work, a.jobs, a.matrix)
+            save()
+    print(f"wrote {out} and {ledger_path(out)}")
 
 
 if __name__ == "__main__":
