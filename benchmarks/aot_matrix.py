@@ -118,9 +118,9 @@ def read_provenance(cell: pathlib.Path) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def is_fresh(cell: pathlib.Path, fingerprint: str) -> bool:
-    """The cell exists and was compiled from the kernel sources whose fingerprint is ``fingerprint``."""
-    prov = read_provenance(cell) if cell.exists() else None
+def is_fresh(prov: dict | None, fingerprint: str) -> bool:
+    """A cell with provenance ``prov`` (None: none recorded) was compiled from, or carried to, the kernel code whose
+    fingerprint is ``fingerprint``."""
     return prov is not None and prov.get("kernels") == fingerprint
 
 
@@ -136,7 +136,7 @@ def _git_status(*pathspec: str, repo: pathlib.Path = REPO) -> str:
 
 def _compiled_at(prov: dict, fingerprint: str) -> str:
     at = f"`{prov['commit'][:9]}`" + (" + uncommitted kernel changes" if prov.get("dirty") else "")
-    if prov.get("kernels") != fingerprint:
+    if not is_fresh(prov, fingerprint):
         return f"{at} (stale: kernels changed since)"
     carried = prov.get("carried")  # its launches re-planned unchanged at a later commit (see replan)
     return f"{at}, same launches at `{carried['to_commit'][:9]}`" if carried and carried.get("to_commit") else at
@@ -275,10 +275,10 @@ def replan(ledger: dict, path: str | None, version: str, targets: list[str], lev
         if rec is None:
             continue
         prov, digest = rec["provenance"], planned_digest(path, t, level, matrix)
-        if prov.get("kernels") == fingerprint and prov.get("launches") in (None, digest):
+        if is_fresh(prov, fingerprint) and prov.get("launches") in (None, digest):
             said.append(f"{version} {t}: fresh" + ("" if prov.get("launches") else ", digest recorded"))
             prov["launches"] = digest
-        elif prov.get("kernels") != fingerprint and prov.get("launches") == digest:
+        elif not is_fresh(prov, fingerprint) and prov.get("launches") == digest:
             prov["carried"] = {"from_kernels": prov["kernels"], "to_commit": head}
             prov["kernels"] = fingerprint
             said.append(f"{version} {t}: same launches at {head[:9]}: carried")
@@ -412,7 +412,7 @@ def main() -> None:
             continue
         for t in targets:
             rec = ledger["cells"].get(f"{info['version']}/{t}")
-            if rec is not None and rec["provenance"].get("kernels") == fingerprint and not a.force:
+            if rec is not None and is_fresh(rec["provenance"], fingerprint) and not a.force:
                 continue
             print(f"compiling Triton {info['version']} {t} ({a.level}, {a.matrix})", flush=True)
             compile_cell(path, info["version"], t, a.level, work, a.jobs, a.matrix)

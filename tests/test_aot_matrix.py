@@ -106,10 +106,10 @@ def test_is_fresh_follows_the_kernel_code_not_its_comments(tmp_path):
     assert aot_matrix.kernels_fingerprint(repo) != fp  # a string that is a value, not a docstring
 
     cell = _write(tmp_path, "sm_90", [], {"commit": "c", "dirty": False, "kernels": fp, "compiled_utc": ""})
-    assert aot_matrix.is_fresh(cell, fp) and not aot_matrix.is_fresh(cell, "other")
+    prov = aot_matrix.read_provenance(cell)
+    assert aot_matrix.is_fresh(prov, fp) and not aot_matrix.is_fresh(prov, "other")
     aot_matrix._provenance(cell).unlink()
-    assert not aot_matrix.is_fresh(cell, fp)  # compiled before provenance was recorded
-    assert not aot_matrix.is_fresh(tmp_path / "missing.json", fp)
+    assert aot_matrix.read_provenance(cell) is None and not aot_matrix.is_fresh(None, fp)  # none recorded
 
 
 def test_compile_cell_records_its_provenance_and_refuses_sources_changed_midway(tmp_path, monkeypatch):
