@@ -489,8 +489,11 @@ def backward_config(
     # and on sm_120 the 4-warp deterministic dH kernel (bf16, its token tile halved to 32 x 64) with a bias, a
     # temperature and the filter to 168 registers: 16 B (Triton 3.9, the backward's whole flag product): the cap at 255
     # with a bias beside the filter there. Not on sm_86, where the cap made that kernel (64 x 64) spill 40 B (3.9, the
-    # each level)
-    if props.mma == "mma" and props.capability[0] >= 12 and deterministic and c.num_warps == 4 and bias and filtering:
+    # each level). The 8-warp TF32 deterministic dW kernel (64 x 64 x 16) with a temperature and the filter, to 128
+    # registers: 16 B (3.9, the same product): the cap with the filter in TF32 (every TF32 deterministic filtering
+    # launch on sm_120, 258-264 a Triton, clean with it on 3.6-3.9)
+    det_filter = props.capability[0] >= 12 and deterministic and filtering
+    if props.mma == "mma" and det_filter and ((c.num_warps == 4 and bias) or dtype == torch.float32):
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
