@@ -323,8 +323,9 @@ def render(ledger: dict, level: str, matrix: str = "all") -> str:
         + " The launches are reduced to distinct specializations (Triton's cache key). Each cell names the commit it "
         "was compiled at; one compiled from other kernel code (`cce_dist/kernels/*.py`, comments aside) than this "
         "commit's is marked stale: it is not evidence for this commit. A cell named with a later commit too ('same "
-        "launches at') was compiled before a change to config rules or planners only, and planned again at the later "
-        "commit (`--replan`): the same launches, by their Triton cache keys.",
+        "launches at') was compiled before a change to config rules or planners only, and shown to plan the same "
+        "launches at the later commit: planned again (`--replan`: the same Triton cache keys), or, where only config "
+        "functions changed, their every output for the cell's target and Triton compared equal.",
         "",
         f"Spill bound (`cce_dist.kernels.aot.SPILL_BOUND`, asserted by tests/test_aot_compile.py): {SPILL_BOUND} B "
         "for every launch: bf16 / fp16 / TF32 (and the TF32 teacher) on tensor cores and fp32 IEEE (FMA dot), at "

@@ -472,9 +472,13 @@ def backward_config(
     tcgen05_pressure = old_tcgen05 and (
         (class_weights and sixteen_bit) or (softcap and filtering and dtype == torch.float32 and tf32)
     )
+    # sm_120, TF32 with a bias: the per-tile kernel (64 x 64 x 32 over 8 warps) spilled 8 B at 255 registers without
+    # the bias gradient (Triton 3.9, the backward's whole flag product); half-wide vocab tiles do not
+    sm120_tf32 = props.mma == "mma" and props.capability[0] >= 12 and not sixteen_bit and tf32
+    tf32_bias = sm120_tf32 and bias and not deterministic
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
-    halvings += filter_pressure + owner_pressure + tcgen05_pressure
+    halvings += filter_pressure + owner_pressure + tcgen05_pressure + tf32_bias
     if halvings:
         cap = 255 if props.mma == "mma" else c.maxnreg  # tcgen05: below
         c = dataclasses.replace(c, block_v=max(16, c.block_v >> halvings), maxnreg=cap)
@@ -489,11 +493,11 @@ def backward_config(
     # and on sm_120 the 4-warp deterministic dH kernel (bf16, its token tile halved to 32 x 64) with a bias, a
     # temperature and the filter to 168 registers: 16 B (Triton 3.9, the backward's whole flag product): the cap at 255
     # with a bias beside the filter there. Not on sm_86, where the cap made that kernel (64 x 64) spill 40 B (3.9, the
-    # each level). The 8-warp TF32 deterministic dW kernel (64 x 64 x 16) with a temperature and the filter, to 128
-    # registers: 16 B (3.9, the same product): the cap with the filter in TF32 (every TF32 deterministic filtering
-    # launch on sm_120, 258-264 a Triton, clean with it on 3.6-3.9)
-    det_filter = props.capability[0] >= 12 and deterministic and filtering
-    if props.mma == "mma" and det_filter and ((c.num_warps == 4 and bias) or dtype == torch.float32):
+    # each level). The 8-warp TF32 deterministic dW kernel (64 x 64 x 16) to 128 registers too: 16 B with a temperature
+    # and the filter (3.9), or a bias, a softcap and a temperature (3.6, a sweep of TF32 with a bias): the cap for
+    # every TF32 deterministic config there
+    sm120_det = props.mma == "mma" and props.capability[0] >= 12 and deterministic
+    if sm120_det and ((c.num_warps == 4 and bias and filtering) or sm120_tf32):
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
