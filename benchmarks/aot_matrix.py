@@ -171,29 +171,33 @@ def launch_digest(rows: list[dict]) -> str | None:
     the same kernels. None when a launch failed (it has no key)."""
     if not all(r["ok"] for r in rows):
         return None
-    return hashlib.sha256("\n".join(sorted(r["hash"] for r in rows)).encode()).hexdigest()[:16]
+    return _digest(r["hash"] for r in rows)
 
 
-#: Run in a subprocess with a Triton first on the path: plans a cell (no compile) and prints its launch digest,
-#: collecting the keys ``kernels.aot.plan`` computes for each launch.
-_PLAN_DIGEST = """
-import hashlib, sys
+def _digest(keys) -> str:
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
+
+
+#: Run in a subprocess with a Triton first on the path: plans a cell (no compile) and prints the key
+#: ``kernels.aot.plan`` computes for each launch, one a line.
+_PLAN_KEYS = """
+import sys
 from cce_dist.kernels import aot, config
 keys, key_of = set(), aot.launch_key
 aot.launch_key = lambda *a: (k := key_of(*a), keys.add(k))[0]
 target, matrix, level = sys.argv[1:4]
 aot.plan(config.KNOWN_DEVICES[target], aot.MATRICES[matrix], level)
-print(hashlib.sha256("\\n".join(sorted(keys)).encode()).hexdigest()[:16])
+print("\\n".join(sorted(keys)))
 """
 
 
 def planned_digest(path: str | None, target: str, level: str, matrix: str) -> str:
     """:func:`launch_digest` of what the tree plans for the cell today with the Triton in ``path`` (no compile)."""
-    cmd = [sys.executable, "-c", _PLAN_DIGEST, target, matrix, level]
+    cmd = [sys.executable, "-c", _PLAN_KEYS, target, matrix, level]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(path), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"planning {target}: {proc.stderr[-3000:]}")
-    return proc.stdout.split()[-1]
+    return _digest(proc.stdout.split())
 
 
 def summarize(rows: list[dict], target: str) -> dict:
@@ -404,7 +408,7 @@ def main() -> None:
         path = None if spec == "installed" else os.path.expanduser(spec.split("=", 1)[1])
         info = _probe(path)
         ledger["versions"][info["version"]] = info
-        meta_file.write_text(json.dumps({**ledger["versions"]}, indent=1))
+        meta_file.write_text(json.dumps(ledger["versions"], indent=1))
         if a.replan:
             for line in replan(ledger, path, info["version"], targets, a.level, a.matrix):
                 print(line, flush=True)
