@@ -286,6 +286,8 @@ def replan(ledger: dict, path: str | None, version: str, targets: list[str], lev
             prov["carried"] = {"from_kernels": prov["kernels"], "to_commit": head}
             prov["kernels"] = fingerprint
             said.append(f"{version} {t}: same launches at {head[:9]}: carried")
+        elif prov.get("launches") is None:
+            said.append(f"{version} {t}: stale, and compiled without a launch digest to compare: compile it again")
         else:
             said.append(f"{version} {t}: launches differ from those compiled ({prov.get('launches')} -> {digest})")
     return said
