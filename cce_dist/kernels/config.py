@@ -499,11 +499,13 @@ def backward_config(
     sm120_det = props.mma == "mma" and props.capability[0] >= 12 and deterministic
     if sm120_det and ((c.num_warps == 4 and bias and filtering) or sm120_tf32):
         c = dataclasses.replace(c, maxnreg=255)
-    # sm_120 with Triton 3.8, bf16 / fp16 with a softcap: ptxas held the 8-warp per-tile kernel (64 x 128 x 32) to 128
-    # registers and the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 beside a temperature: 8-16 B (6 launches of
-    # the backward's whole flag product there; with 3.9 none): the cap at 255 for every such config
+    # sm_120 with a softcap: with Triton 3.8 in bf16 / fp16 ptxas held the 8-warp per-tile kernel (64 x 128 x 32) to 128
+    # registers and the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 beside a temperature (8-16 B, 6 launches),
+    # with 3.6 in TF32 the 8-warp per-tile kernel without dH (64 x 64 x 32) to 128 (8 B, 2 launches; the backward's
+    # whole flag products there; with 3.9 none): the cap at 255 for every such config (not TF32 with 3.7 / 3.8, where
+    # the cap made ptxas spill beside class weights: above)
     sm120 = props.mma == "mma" and props.capability[0] >= 12
-    if sm120 and sixteen_bit and softcap and compiler == (3, 8):
+    if softcap and ((sm120 and sixteen_bit and compiler == (3, 8)) or (sm120_tf32 and compiler == (3, 6))):
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
