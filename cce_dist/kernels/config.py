@@ -474,7 +474,8 @@ def backward_config(
     )
     # sm_120, TF32 with a bias: the per-tile kernel (64 x 64 x 32 over 8 warps) spilled 8 B at 255 registers without
     # the bias gradient (Triton 3.9, the backward's whole flag product); half-wide vocab tiles do not
-    sm120_tf32 = props.mma == "mma" and props.capability[0] >= 12 and not sixteen_bit and tf32
+    sm120 = props.mma == "mma" and props.capability[0] >= 12  # consumer Blackwell (RTX 50): mma.sync, 99 KB
+    sm120_tf32 = sm120 and not sixteen_bit and tf32
     tf32_bias = sm120_tf32 and bias and not deterministic
     epilogues = softcap + filtering + deterministic + class_weights
     halvings = (not aligned) + (ragged_rows and epilogues > 0) + (epilogues >= 3) + (not aligned and epilogues >= 2)
@@ -496,15 +497,13 @@ def backward_config(
     # each level). The 8-warp TF32 deterministic dW kernel (64 x 64 x 16) to 128 registers too: 16 B with a temperature
     # and the filter (3.9), or a bias, a softcap and a temperature (3.6, a sweep of TF32 with a bias): the cap for
     # every TF32 deterministic config there
-    sm120_det = props.mma == "mma" and props.capability[0] >= 12 and deterministic
-    if sm120_det and ((c.num_warps == 4 and bias and filtering) or sm120_tf32):
+    if sm120 and deterministic and ((c.num_warps == 4 and bias and filtering) or sm120_tf32):
         c = dataclasses.replace(c, maxnreg=255)
     # sm_120 with a softcap: with Triton 3.8 in bf16 / fp16 ptxas held the 8-warp per-tile kernel (64 x 128 x 32) to 128
     # registers and the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 beside a temperature (8-16 B, 6 launches),
     # with 3.6 in TF32 the 8-warp per-tile kernel without dH (64 x 64 x 32) to 128 (8 B, 2 launches; the backward's
     # whole flag products there; with 3.9 none): the cap at 255 for every such config (not TF32 with 3.7 / 3.8, where
     # the cap made ptxas spill beside class weights: above)
-    sm120 = props.mma == "mma" and props.capability[0] >= 12
     if softcap and ((sm120 and sixteen_bit and compiler == (3, 8)) or (sm120_tf32 and compiler == (3, 6))):
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
