@@ -230,3 +230,31 @@ def test_op_rejects_out_of_range_targets():
     with pytest.raises(ValueError, match=r"targets contain id -1"):
         torch.ops.cce_dist.row_stats(h, w, b, torch.tensor([0, 1, -1, 3, 4]), **_stats_options())
     torch.ops.cce_dist.row_stats(h, w, b, torch.tensor([0, 1, -100, 3, 10]), **_stats_options())  # in range
+
+
+def test_called_not_traced_functions_carry_dynamos_mark_without_importing_dynamo():
+    """The functions torch.compile calls instead of tracing carry the mark ``torch.compiler.assume_constant_result``
+    sets (``cce_dist.core.runtime.constant_result`` sets it directly), and importing cce_dist and its integrations
+    does not import Dynamo (the public decorator would: 2 s of every ``import cce_dist`` on a CPU)."""
+    import subprocess
+    import sys
+
+    from cce_dist.core.runtime import constant_result, f32_out_gemm
+    from cce_dist.engine.compile import _resolved_name
+
+    def by_torch() -> int:
+        return 1
+
+    def by_us() -> int:
+        return 1
+
+    torch.compiler.assume_constant_result(by_torch)
+    assert vars(by_torch) and vars(constant_result(by_us)) == vars(by_torch)
+    for fn in (f32_out_gemm, _resolved_name):
+        assert {k: getattr(fn, k, None) for k in vars(by_torch)} == vars(by_torch), fn
+    probe = (
+        "import sys, cce_dist, cce_dist.engine.compile, cce_dist.kernels, cce_dist.fsdp, cce_dist.hf, cce_dist.trl\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -25,7 +25,13 @@ APIS: list[tuple[str, str, str]] = [
     ("torch.library.register_autograd", "torch/library.py", r"^def register_autograd\("),
     ("torch.compiler.is_compiling", "torch/compiler/__init__.py", r"^def is_compiling\("),
     ("torch.compiler.disable", "torch/compiler/__init__.py", r"^def disable\("),
-    ("torch.compiler.assume_constant_result", "torch/compiler/__init__.py", r"^def assume_constant_result\("),
+    # cce_dist.core.runtime.constant_result sets the mark assume_constant_result sets (without importing Dynamo);
+    # Dynamo reads it when it meets the function
+    (
+        "_dynamo_marked_constant",
+        "torch/_dynamo/variables/functions.py",
+        r"getattr\(fn, \"_dynamo_marked_constant\", False\)",
+    ),
     (
         "torch._guards.TracingContext",
         "torch/_guards.py",
@@ -101,6 +107,7 @@ def test_every_watched_api_use_is_listed():
         used |= set(WATCHED.findall(text))
         used |= {f"torch._guards.{name}" for name in re.findall(r"from torch\._guards import (\w+)", text)}
         used |= {f"torch.distributed.tensor._utils.{n}" for n in re.findall(r"tensor\._utils import (\w+)", text)}
+        used |= set(re.findall(r"\b_dynamo_marked_constant\b", text))
     assert used, "the scan found nothing: the pattern is wrong"
     assert used <= listed, f"torch APIs used but not checked against the floor: {sorted(used - listed)}"
 

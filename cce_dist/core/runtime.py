@@ -15,6 +15,8 @@ Used by the torch implementation (:mod:`cce_dist.impl.torch_cross_entropy`) and 
   what torch's caching allocator holds reserved but unused.
 - :func:`device_guard`: ``torch.cuda.device(d)`` for a CUDA device (a Triton launch runs on the *current*
   device, not the tensors'), a no-op context elsewhere.
+- :func:`constant_result`: Dynamo's ``assume_constant_result`` without importing Dynamo when cce_dist is
+  imported (the public decorator imports ``torch._dynamo``: 2 s of every ``import cce_dist``).
 - :data:`logger` (``logging.getLogger("cce_dist")``): debug lines name the backward schedule the kernels chose
   and why, and the GEMM path; ``logging.getLogger("cce_dist").setLevel(logging.DEBUG)`` (with a handler, e.g.
   ``logging.basicConfig()``) shows them.
@@ -24,13 +26,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["device_guard", "f32_out_gemm", "free_bytes", "logger", "matmul_f32", "mm_f32"]
+__all__ = ["constant_result", "device_guard", "f32_out_gemm", "free_bytes", "logger", "matmul_f32", "mm_f32"]
 
 logger = logging.getLogger("cce_dist")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def constant_result(fn: _F) -> _F:
+    """Dynamo's ``assume_constant_result(fn)`` (public in ``torch.compiler``): under torch.compile ``fn`` is called,
+    its result a constant of the graph, never traced. The public decorator imports ``torch._dynamo`` (2 s on a CPU,
+    most of ``import cce_dist``), so this sets the mark it sets, which Dynamo reads when it meets ``fn`` (torch
+    2.10-2.14; tests/test_compile.py compares the two, tests/test_torch_floor.py finds the reader in each torch
+    checked): Dynamo is imported when the user's program compiles, not before."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
 
 #: ``(device, dtype) -> whether torch.mm / torch.addmm with out_dtype=torch.float32 work there`` (probed once)
 _F32_OUT: dict[tuple[torch.device, torch.dtype], bool] = {}
@@ -64,7 +80,7 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`mm_f32` runs one GEMM with a float32 result for ``dtype`` operands on ``device``: bf16 / fp16 on
     CUDA where the build has ``out_dtype`` (probed on first use, then cached); never elsewhere (the CPU build: the

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..core.backend import Backend
 from ..core.options import CrossEntropyOptions, LogprobOptions
+from ..core.runtime import constant_result
 from ..core.stats import NUM_STATS
 from ..impl import backends
 from .autograd import refuse_second_order
@@ -45,7 +46,7 @@ def implementation(name: str) -> Backend:
     return backends.by_name(name)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _resolved_name(impl: str, device: torch.device, hidden_dim: int) -> str:
     """The name of :func:`cce_dist.engine.prepare.resolve_backend`'s implementation, called, not traced, under
     torch.compile: it reads the Triton version (a regular expression, which Dynamo of torch 2.10 / 2.11 cannot
