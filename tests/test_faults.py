@@ -464,7 +464,6 @@ def test_rank_dies_mid_step(tmp_path, death):
         kw=dict(out_dir=str(tmp_path), death=death),
         may_die=[1],
         hard_exit=True,
-        start_method="forkserver",
         timeout=240,
         pg_timeout=PG_TIMEOUT,
     )
@@ -552,7 +551,6 @@ def test_rank_stalls_survivors_time_out(tmp_path, how):
         tmp_path,
         kw=dict(out_dir=str(tmp_path), how=how),
         hard_exit=True,
-        start_method="forkserver",
         timeout=240,
         pg_timeout=PG_TIMEOUT,
     )
