@@ -602,6 +602,40 @@ def test_splits_follow_the_launched_tile():
     assert C.pick_splits(128, 1000, 128, 128, h100) == 1  # too few vocab tiles to split
 
 
+def test_host_planning_calls_no_triton_constexpr_function(monkeypatch, planning_for_gpus):
+    """Every call plans its launches on the host before the first one starts. ``triton.cdiv`` and
+    ``triton.next_power_of_2`` are ``ConstexprFunction``s for kernel code (about 14 us a call): the chunked backward
+    over a 256k-column shard called ``triton.cdiv`` about a thousand times a call (9 ms of host time, 2.4 ms with
+    ``config.cdiv``; measured on meta tensors). Plans every family's launches with them raising, and checks the grids
+    the host now computes against ``math.ceil``."""
+    import math
+
+    import torch
+    import triton
+
+    from cce_dist.kernels import aot
+    from cce_dist.kernels import config as C
+
+    def refuse(*_a, **_k):
+        raise AssertionError("host code called a Triton constexpr function")
+
+    monkeypatch.setattr(triton, "cdiv", refuse)
+    monkeypatch.setattr(triton, "next_power_of_2", refuse)
+    props = C.KNOWN_DEVICES["sm_90"]
+    n, d, v = aot.RAGGED_SHAPE
+    assert aot.forward_launches(props, torch.bfloat16, n, d, v)
+    for schedule in ("chunked", "tiles", "owner"):
+        launches = aot.backward_launches(props, torch.bfloat16, n, d, v, bias=True, schedule=schedule)
+        assert launches, schedule
+        for kernel, grid, args, kw in launches:
+            if kernel is aot._bwd._dz_store_kernel:  # (rows, columns) of its block follow the 9 tensors
+                rows, cols = args[9], args[10]
+                assert grid == (math.ceil(rows / kw["BLOCK_N"]) * math.ceil(cols / kw["BLOCK_V"]),), (rows, cols)
+    assert aot.distill_launches(props, (torch.bfloat16, torch.bfloat16), *aot.DISTILL_RAGGED_SHAPE)
+    for a, b in ((0, 7), (1, 7), (7, 7), (8, 7), (256000, 128), (32001, 128)):
+        assert C.cdiv(a, b) == math.ceil(a / b)
+
+
 def test_flag_axes_come_from_the_planners_signatures():
     """A flag added to a planner is enumerated without being listed: a bool keyword takes both values; a parameter
     with no known values stops the enumeration (LookupError) instead of being silently left at its default. The

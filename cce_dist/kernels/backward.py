@@ -690,7 +690,7 @@ def _chunked_launches(
     dz_flags = {k: val for k, val in flags.items() if k != "BLOCK_D_OUT"}
     nc, vc = _chunk_shape(n, v, bn, bv, hidden.element_size(), db is not None, max_rows)
     scratch = torch.empty(nc, vc, dtype=hidden.dtype, device=hidden.device)
-    dbp = torch.empty(triton.cdiv(nc, bn), vc, dtype=torch.float32, device=hidden.device) if db is not None else lse
+    dbp = torch.empty(_config.cdiv(nc, bn), vc, dtype=torch.float32, device=hidden.device) if db is not None else lse
     h_rows = hidden
     if dw is not None and hidden.device.type != "meta":
         # dz is 0 in rows with all-zero coefficients, but 0 * inf = NaN in the GEMM: such rows of H
@@ -708,26 +708,29 @@ def _chunked_launches(
         if dw is not None:
             mm_f32(dw[c0:c1], dz.T, h_rows[r0:r1], accumulate=not first)
         if db is not None:
-            part = dbp[: triton.cdiv(r1 - r0, bn), : c1 - c0]
+            part = dbp[: _config.cdiv(r1 - r0, bn), : c1 - c0]
             if first:
                 torch.sum(part, 0, out=db[c0:c1])
             else:
                 db[c0:c1].add_(part.sum(0))
 
+    # Built once and shared by every chunk's launches (a launch only reads them): a 256k-column shard plans about
+    # 250 chunks per row block on every backward call, so the loop below only slices the chunk and packs arguments.
+    kwargs = dict(NEED_DB=db is not None, GROUP_N=group_n, **dz_flags, **launch)
+    pre, post = scalars[2:3], (*scalars[4:], scratch.stride(0), dbp.stride(0))
+    blocks = []  # (r0, r1, the block's views, its token tiles)
+    for r0 in range(0, n, nc):
+        r1 = min(n, r0 + nc)
+        blocks.append((r0, r1, (hidden[r0:r1],), (targets[r0:r1], lse[r0:r1], coef[r0:r1]), _config.cdiv(r1 - r0, bn)))
     launches = []
     for c0 in range(0, v, vc):
         c1 = min(v, c0 + vc)
-        w_c = weight[c0:c1]
-        b_c = bias[c0:c1] if bias is not None else hidden
-        for r0 in range(0, n, nc):
-            r1 = min(n, r0 + nc)
-            gw_c = gamma_w[c0:c1] if gamma_w is not None else lse  # the chunk's class weights (or never read)
-            rows = (hidden[r0:r1], w_c, b_c, targets[r0:r1], lse[r0:r1], coef[r0:r1], gw_c)
-            sc = (r1 - r0, c1 - c0, *scalars[2:3], scalars[3] + c0, *scalars[4:])
-            args = (*rows, scratch, dbp, *sc, scratch.stride(0), dbp.stride(0))
-            grid = (triton.cdiv(r1 - r0, bn) * triton.cdiv(c1 - c0, bv),)
-            kwargs = dict(NEED_DB=db is not None, GROUP_N=group_n, **dz_flags, **launch)
-            launches.append((_dz_store_kernel, grid, args, kwargs))
+        cols, start, tiles_v = c1 - c0, scalars[3] + c0, _config.cdiv(c1 - c0, bv)
+        chunk = (weight[c0:c1], bias[c0:c1] if bias is not None else hidden)
+        gw_c = gamma_w[c0:c1] if gamma_w is not None else lse  # the chunk's class weights (or never read)
+        for r0, r1, h_r, rows, tiles_n in blocks:
+            args = (*h_r, *chunk, *rows, gw_c, scratch, dbp, r1 - r0, cols, *pre, start, *post)
+            launches.append((_dz_store_kernel, (tiles_n * tiles_v,), args, kwargs))
             launches.append((_HostStep(gemms), None, (c0, c1, r0, r1), {}))
     return launches
 
@@ -854,7 +857,7 @@ def _tiles_launches(common, scalars, flags, dh, dw, db, group_n, launch):
     """The per-tile schedule: one fused kernel over every (token tile, vocab tile) pair, fp32 atomics."""
     n, v = scalars[0], scalars[1]
     dummy = common[4]  # lse, never dereferenced: the matching NEED_* flag is False
-    grid = (triton.cdiv(n, flags["BLOCK_N"]) * triton.cdiv(v, flags["BLOCK_V"]),)
+    grid = (_config.cdiv(n, flags["BLOCK_N"]) * _config.cdiv(v, flags["BLOCK_V"]),)
     outs = tuple(g if g is not None else dummy for g in (dh, dw, db))
     out_strides = tuple(g.stride(0) if g is not None else 0 for g in (dh, dw))
     need = dict(NEED_DH=dh is not None, NEED_DW=dw is not None, NEED_DB=db is not None)
@@ -875,15 +878,15 @@ def _owner_launches(common, scalars, flags, dh, dw, db, props, tuned, launch):
         # the 64 rows a wgmma / tcgen05 instruction needs (it would fall back to mma.sync).
         bn = flags["BLOCK_N"]
         smallest = 64 if props is not None and props.mma in ("wgmma", "tcgen05") else 16
-        if props is not None and tuned and triton.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
+        if props is not None and tuned and _config.cdiv(n, bn) < props.sms and bn // 2 >= smallest:
             dh_flags = dict(flags, BLOCK_N=bn // 2)
-        grid = (triton.cdiv(n, dh_flags["BLOCK_N"]),)
+        grid = (_config.cdiv(n, dh_flags["BLOCK_N"]),)
         launches.append((_grads_dh_kernel, grid, (*common, dh, *scalars, dh.stride(0)), dict(**dh_flags, **launch)))
     if dw is not None or db is not None:
         outs = (dw if dw is not None else dummy, db if db is not None else dummy)
         args = (*common, *outs, *scalars, dw.stride(0) if dw is not None else 0)
         kwargs = dict(NEED_DW=dw is not None, NEED_DB=db is not None, **flags, **launch)
-        launches.append((_grads_dw_kernel, (triton.cdiv(v, flags["BLOCK_V"]),), args, kwargs))
+        launches.append((_grads_dw_kernel, (_config.cdiv(v, flags["BLOCK_V"]),), args, kwargs))
     return launches
 
 

@@ -28,11 +28,19 @@ tiles, partial tiles and the multi-split path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from dataclasses import dataclass
 
 import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative host integers (grids, tile counts). Not ``triton.cdiv``: that is a
+    ``ConstexprFunction`` (about 14 us a call), and the chunked backward plans several per chunk on every call."""
+    return -(-a // b)
+
 
 #: FP contraction (a*b+c -> fma) in the kernels' elementwise code. Set explicitly: Triton 3.9
 #: enables it by default and warns that 3.10 disables it, which would move results by an ulp.
@@ -41,6 +49,7 @@ import torch
 ENABLE_FP_FUSION = False
 
 
+@functools.lru_cache(maxsize=16)  # triton_version() runs in every config choice
 def parse_version(text: str) -> tuple[int, int]:
     """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"3.7.0+git1234"``."""
     m = re.match(r"\s*(\d+)\.(\d+)", text)
@@ -221,9 +230,6 @@ def chunk_shape(
     multiple of ``block_n`` rows, as few as keep that width. Vc is then the widest multiple of
     ``block_v`` that fits with Nc rows (at least one tile, at most the shard). ``max_rows`` (tests)
     caps Nc below what the budget allows (rounded down to a multiple of ``block_n``)."""
-
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
 
     def col_bytes(rows: int) -> int:
         return rows * elt + (cdiv(rows, block_n) * 4 if need_bias else 0)

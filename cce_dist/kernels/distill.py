@@ -986,8 +986,8 @@ class _Launch:
             s = 1
         else:
             s = _config.pick_splits(self.n, self.v, c.block_n, c.block_v, self.props)
-        per = triton.cdiv(triton.cdiv(self.v, s), c.block_v) * c.block_v
-        return min(s, triton.cdiv(self.v, per))
+        per = _config.cdiv(_config.cdiv(self.v, s), c.block_v) * c.block_v
+        return min(s, _config.cdiv(self.v, per))
 
 
 def _check(hs, ws, bs, ht, wt, bt, rows_like, softcap) -> None:
@@ -1045,7 +1045,7 @@ def plan_stats(
     out = torch.zeros(splits, k, ln.n, NUM_STATS, dtype=torch.float32, device=hs.device)
     args = (*ln.tensors, targets, out, *ln.sizes, int(vocab_start), *ln.scalars, *ln.strides, targets.stride(0))
     args += out.stride()[:3]
-    grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
+    grid = (_config.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(HARD=bool(hard), CROSS=_cross_flag(cross), **ln.flags, **ln.options)
     return (_distill_stats_kernel, grid, args, kwargs), out
 
@@ -1078,7 +1078,7 @@ def plan_rows(
     out = torch.empty(splits, ln.n, 2 if jsd else 1, dtype=torch.float32, device=hs.device)
     args = (*ln.tensors, norm, out, *ln.sizes, *ln.scalars, *_log_mix_weights(beta), *ln.strides, norm.stride(0))
     args += out.stride()[:2]
-    grid = (triton.cdiv(ln.n, ln.cfg.block_n), splits)
+    grid = (_config.cdiv(ln.n, ln.cfg.block_n), splits)
     kwargs = dict(DIV=DIVERGENCES.index(divergence), **ln.flags, **ln.options)
     return (_distill_rows_kernel, grid, args, kwargs), out
 
@@ -1140,13 +1140,13 @@ def plan_grads(
         **ln.options,
     )
     if not deterministic:
-        grid = (triton.cdiv(ln.n, c.block_n) * triton.cdiv(ln.v, c.block_v),)
+        grid = (_config.cdiv(ln.n, c.block_n) * _config.cdiv(ln.v, c.block_v),)
         return dh, dw, db, [(_distill_grads_kernel, grid, args, kwargs)]
     launches = []
     if dh is not None:
-        launches.append((_distill_dh_kernel, (triton.cdiv(ln.n, c.block_n),), args, kwargs))
+        launches.append((_distill_dh_kernel, (_config.cdiv(ln.n, c.block_n),), args, kwargs))
     if dw is not None or db is not None:
-        launches.append((_distill_dw_kernel, (triton.cdiv(ln.v, c.block_v),), args, kwargs))
+        launches.append((_distill_dw_kernel, (_config.cdiv(ln.v, c.block_v),), args, kwargs))
     return dh, dw, db, launches
 
 

@@ -243,8 +243,8 @@ def _splits_of(n: int, v: int, props, splits) -> Callable[[_config.FwdConfig], i
         else:
             s = _config.pick_splits(n, v, c.block_n, c.block_v, props)
         # Splits that would be empty after rounding to whole tiles are not launched.
-        per = triton.cdiv(triton.cdiv(v, s), c.block_v) * c.block_v
-        return min(s, triton.cdiv(v, per))
+        per = _config.cdiv(_config.cdiv(v, s), c.block_v) * c.block_v
+        return min(s, _config.cdiv(v, per))
 
     return splits_of
 
@@ -391,7 +391,7 @@ def row_stats(
         def cfg_of(meta) -> _config.FwdConfig:
             return _config.FwdConfig(meta["BLOCK_N"], meta["BLOCK_V"], meta["BLOCK_D"])
 
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits_of(cfg_of(meta)))  # noqa: E731
+        grid = lambda meta: (_config.cdiv(n, meta["BLOCK_N"]), splits_of(cfg_of(meta)))  # noqa: E731
         with device_guard(device):  # Triton launches (and autotunes) on the current device
             kernel[grid](*args, **flags)
         # Tuning runs of other configs may have written more slabs; the final run of the chosen
@@ -403,7 +403,7 @@ def row_stats(
         splits = splits_of(c)
         launch = {} if _INTERPRET else dict(num_warps=c.num_warps, num_stages=c.num_stages, **_config.register_cap(c))
         with device_guard(device):
-            _row_stats_kernel[(triton.cdiv(n, c.block_n), splits)](
+            _row_stats_kernel[(_config.cdiv(n, c.block_n), splits)](
                 *args, **flags, BLOCK_N=c.block_n, BLOCK_V=c.block_v, BLOCK_D=c.block_d, **launch
             )
     stack = out[:splits]
