@@ -160,6 +160,38 @@ def test_an_aot_compile_keeps_its_record_not_tritons_intermediates(tmp_path):
     assert len(kept) == 1 and kept[0].startswith("aot/_row_stats_kernel-sm80-") and kept[0].endswith(".json"), kept
 
 
+_MEMO_PROBE = """
+import itertools, json
+import torch
+from cce_dist.kernels import aot, config
+props, keys, total = config.KNOWN_DEVICES["sm_90"], {}, 0
+for sched, nh, nw, nb in itertools.product(("chunked", "tiles"), *[(True, False)] * 3):
+    wanted = dict(need_hidden=nh, need_weight=nw, need_bias=nb)
+    for kernel, _g, args, kw in aot.backward_launches(
+        props, torch.bfloat16, *aot.RAGGED_SHAPE, bias=True, schedule=sched, **wanted
+    ):
+        keys.setdefault(aot._launch_inputs(kernel, args, kw), set()).add(aot.launch_key(kernel, args, kw, 90))
+        total += 1
+print(json.dumps({"inputs": len(keys), "keys": sum(map(len, keys.values())), "total": total, "none": None in keys}))
+"""
+
+
+def test_launch_keys_are_memoized_by_launch_inputs():
+    """``kernels.aot.plan`` reuses the launch key of a launch whose inputs (``_launch_inputs``: each tensor's dtype,
+    address, shape and strides, each scalar, every keyword) it has keyed before, instead of binding and hashing it
+    again (~10 ms; the whole backward product repeats ~19k launches). Sound only if equal inputs give equal keys:
+    checked on the backward's launches of 16 flag sets, among which the gradients wanted repeat launches."""
+    env = env_with(None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMO_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert not got["none"] and got["keys"] == got["inputs"], got  # one key per inputs: the memo is sound
+    assert got["total"] > got["inputs"] > 1, got  # and launches repeat: it saves keying them again
+
+
 # The distillation kernels are held to the same bound (kernels.aot.SPILL_BOUND): none, with tensor cores (bf16 heads,
 # or a bf16 student with a TF32 teacher) or without (fp32 IEEE). Each program holds two logit tiles (and in the
 # backward their softmax terms) and reaches the 255-register ceiling with every epilogue on; with Triton 3.9, before
