@@ -18,6 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+from interpreter_patch_memo import install as _install_interpreter_memo  # noqa: E402
+
+_install_interpreter_memo()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -61,7 +61,9 @@ def _context(start_method: str):
 def _init_group(rank, world, init_file, pg_timeout):
     import torch
     import torch.distributed as dist
+    from interpreter_patch_memo import install
 
+    install()  # as conftest does in the pytest process (a no-op unless TRITON_INTERPRET=1)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
