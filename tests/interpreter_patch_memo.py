@@ -51,7 +51,7 @@ def install() -> bool:
     if getattr(patch_lang, "_cce_memo", False):
         return True
     launch = executor.__call__
-    #: one entry per launch in progress: the ids of the language modules patched in it so far (None before its own patch)
+    #: per launch in progress: the ids of the language modules patched in it so far (None before its own patch)
     patched: list[frozenset[int] | None] = []
 
     def langs(fn) -> frozenset[int]:
