@@ -2,7 +2,9 @@
 
 Triton kernels run on CPU tensors only in Triton's interpreter, which reads TRITON_INTERPRET when
 triton is first imported: set it here, before any test module imports triton, unless a GPU is
-present (then the kernels run for real and the GPU-marked tests are collected too).
+present (then the kernels run for real and the GPU-marked tests are collected too). In the
+interpreter, tests/interpreter_patch_memo.py skips its redundant re-patching of triton.language on
+every helper call (bitwise the same results: tests/test_interpreter_patch_memo.py).
 """
 
 import os
