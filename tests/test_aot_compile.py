@@ -494,6 +494,66 @@ def test_backward_halves_vocab_tiles_under_register_pressure(planning_for_gpus):
         assert {v // 2 for v in got[8192]} == got[8191], (schedule, got)
 
 
+def test_filtering_deterministic_configs_keep_8_warps_on_consumer_ampere_and_ada():
+    """The deterministic (owner-computes) configs run bf16 / fp16 over 4 warps on mma.sync with Triton 3.9, but on
+    sm_86 / sm_89 the filtering dH kernel spilled there (8-16 B beside a bias or a temperature, 48-56 B at 255
+    registers at a token count not a multiple of 16: 11 launches of the backward's whole flag product, which no
+    covering level reached): the filter keeps 8 warps there. sm_80 (the same configs spill-free) and sm_120 keep 4."""
+    import dataclasses
+
+    import torch
+
+    from cce_dist.kernels import config as C
+
+    sm86 = C.KNOWN_DEVICES["sm_86"]
+    sm89 = dataclasses.replace(sm86, capability=(8, 9))
+    for dtype in (torch.bfloat16, torch.float16):
+        for props, want in ((sm86, 8), (sm89, 8), (C.KNOWN_DEVICES["sm_80"], 4), (C.KNOWN_DEVICES["sm_120"], 4)):
+            for extra in (dict(), dict(bias=True), dict(ragged_rows=True), dict(aligned=False)):
+                got = C.backward_config(props, dtype, compiler=(3, 9), deterministic=True, filtering=True, **extra)
+                assert got.num_warps == want, (props.capability, dtype, extra, got)
+            # without the filter every mma.sync target keeps 4 warps with 3.9
+            assert C.backward_config(props, dtype, compiler=(3, 9), deterministic=True).num_warps == 4
+        # and before 3.9 sm_86 ran 8 warps anyway (4 spilled 8-48 B with the filter)
+        assert C.backward_config(sm86, dtype, compiler=(3, 8), deterministic=True, filtering=True).num_warps == 8
+
+
+_GA10X_PROBE = """
+import json, sys
+from cce_dist.kernels import aot, config
+props, out = config.KNOWN_DEVICES["sm_86"], []
+for shape, extra in (("rows", dict(bias=True)), ("paper", dict(temperature=0.7))):
+    row = dict(mode="bf16", shape=shape, bias=False, softcap=None, temperature=None, filter_eps="auto",
+               deterministic=True, _schedule="owner", gamma_weights=False, need_hidden=True, need_weight=True,
+               need_bias=True)
+    row.update(extra)
+    for kernel, _grid, args, kw in aot._bwd_row(props, row):
+        if kernel.fn.__name__ == "_grads_dh_kernel":
+            rec = aot.compile_launch(kernel, args, kw, 86)
+            out.append(dict(shape=shape, warps=kw["num_warps"], spill=rec.stack + rec.local, shared=rec.shared))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_filtering_deterministic_dh_kernel_compiles_without_spills_on_sm86():
+    """The two worst of the 11 launches the backward's whole flag product on sm_86 found spilling with Triton 3.9
+    (the filtering owner-computes dH kernel in bf16: with a bias at the rows shape 56 B, with a temperature at the
+    paper shape 16 B), compiled for sm_86 by the installed Triton: within ``SPILL_BOUND``. The ``each`` level CI
+    compiles holds neither flag set."""
+    from cce_dist.kernels.aot import SPILL_BOUND
+
+    env = env_with(None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _GA10X_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=850
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert [g["shape"] for g in got] == ["rows", "paper"], got  # one dH launch per flag set: the probe planned them
+    assert all(g["spill"] <= SPILL_BOUND and g["shared"] <= LIMITS["sm_86"] for g in got), got
+
+
 _BWD_FLAGS = dict(
     softcap=False, filtering=False, deterministic=False, class_weights=False, ragged_rows=False, aligned=True
 )

@@ -572,8 +572,11 @@ def _backward_tiles(
         # bf16 / fp16 there over 4 warps with Triton 3.9, and on sm_120 from 3.7: 8 held the dH kernel to 128 registers
         # at a token count not a multiple of 16 and spilled 8 B (sm_120, 3.7-3.9); before 3.9, 4 warps spilled 8-48 B
         # in the filtering dH kernel on sm_80 / sm_86 and 8 did not. TF32 keeps 8 (its 16-wide chunks fit 128
-        # registers).
-        four = compiler >= (3, 9) or (props.capability[0] >= 12 and compiler >= (3, 7))
+        # registers). On sm_86 / sm_89 the filtering dH kernel over 4 warps spilled with 3.9 too, beside a bias or a
+        # temperature (8-16 B at the paper shape, 48-56 B at 255 registers at a token count not a multiple of 16; the
+        # backward's whole flag product, 11 launches): the filter keeps 8 warps there.
+        ga10x = props.capability[0] == 8 and props.capability[1] >= 6  # consumer Ampere / Ada: sm_86, sm_89
+        four = (compiler >= (3, 9) and not (ga10x and filtering)) or (props.capability[0] >= 12 and compiler >= (3, 7))
         warps = 4 if props.mma == "mma" and dtype != torch.float32 and four else 8
         return BwdConfig(64, 64, d, d_out, group_n=8, num_warps=warps, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
