@@ -516,6 +516,14 @@ def test_filtering_deterministic_configs_keep_8_warps_on_consumer_ampere_and_ada
             assert C.backward_config(props, dtype, compiler=(3, 9), deterministic=True).num_warps == 4
         # and before 3.9 sm_86 ran 8 warps anyway (4 spilled 8-48 B with the filter)
         assert C.backward_config(sm86, dtype, compiler=(3, 8), deterministic=True, filtering=True).num_warps == 8
+    # TF32 there with Triton 3.8: ptxas held the 8-warp deterministic dW kernel to 128 registers (8 B beside a bias, a
+    # softcap and a temperature; the backward's whole flag product): the cap at 255, on sm_86 / sm_89 with 3.8 only
+    for props in (sm86, sm89, C.KNOWN_DEVICES["sm_80"]):
+        for compiler in ((3, 6), (3, 7), (3, 8), (3, 9)):
+            for extra in (dict(), dict(bias=True, softcap=True)):
+                got = C.backward_config(props, torch.float32, compiler=compiler, deterministic=True, **extra)
+                want = 255 if props.capability != (8, 0) and compiler == (3, 8) else None
+                assert (got.num_warps, got.maxnreg) == (8, want), (props.capability, compiler, extra, got)
 
 
 _GA10X_PROBE = """

@@ -505,6 +505,11 @@ def backward_config(
     # every TF32 deterministic config there
     if sm120 and deterministic and ((c.num_warps == 4 and bias and filtering) or sm120_tf32):
         c = dataclasses.replace(c, maxnreg=255)
+    # and on sm_86 / sm_89 with Triton 3.8 that TF32 dW kernel to 128 registers too: 8 B beside a bias, a softcap and a
+    # temperature (the backward's whole flag product; with 3.9 none): the cap for every TF32 deterministic config there
+    ga10x = props.capability[0] == 8 and props.capability[1] >= 6  # consumer Ampere / Ada: sm_86, sm_89
+    if ga10x and deterministic and not sixteen_bit and tf32 and compiler == (3, 8):
+        c = dataclasses.replace(c, maxnreg=255)
     # sm_120 with a softcap: with Triton 3.8 in bf16 / fp16 ptxas held the 8-warp per-tile kernel (64 x 128 x 32) to 128
     # registers and the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 beside a temperature (8-16 B, 6 launches),
     # with 3.6 in TF32 the 8-warp per-tile kernel without dH (64 x 64 x 32) to 128 (8 B, 2 launches; the backward's
