@@ -160,6 +160,18 @@ def test_an_aot_compile_keeps_its_record_not_tritons_intermediates(tmp_path):
     assert len(kept) == 1 and kept[0].startswith("aot/_row_stats_kernel-sm80-") and kept[0].endswith(".json"), kept
 
 
+def _run_probe(code: str, timeout: int):
+    """Runs ``code`` in a Python with ``TRITON_INTERPRET`` unset (the installed Triton compiling for real targets) and
+    returns the JSON its last line prints."""
+    env = env_with(None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 _MEMO_PROBE = """
 import itertools, json
 import torch
@@ -181,13 +193,7 @@ def test_launch_keys_are_memoized_by_launch_inputs():
     address, shape and strides, each scalar, every keyword) it has keyed before, instead of binding and hashing it
     again (~10 ms; the whole backward product repeats ~19k launches). Sound only if equal inputs give equal keys:
     checked on the backward's launches of 16 flag sets, among which the gradients wanted repeat launches."""
-    env = env_with(None)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEMO_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    got = _run_probe(_MEMO_PROBE, timeout=600)
     assert not got["none"] and got["keys"] == got["inputs"], got  # one key per inputs: the memo is sound
     assert got["total"] > got["inputs"] > 1, got  # and launches repeat: it saves keying them again
 
@@ -551,13 +557,7 @@ def test_filtering_deterministic_dh_kernel_compiles_without_spills_on_sm86():
     compiles holds neither flag set."""
     from cce_dist.kernels.aot import SPILL_BOUND
 
-    env = env_with(None)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-    proc = subprocess.run(
-        [sys.executable, "-c", _GA10X_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=850
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    got = _run_probe(_GA10X_PROBE, timeout=850)
     assert [g["shape"] for g in got] == ["rows", "paper"], got  # one dH launch per flag set: the probe planned them
     assert all(g["spill"] <= SPILL_BOUND and g["shared"] <= LIMITS["sm_86"] for g in got), got
 
