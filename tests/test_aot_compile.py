@@ -532,6 +532,38 @@ def test_filtering_deterministic_configs_keep_8_warps_on_consumer_ampere_and_ada
                 assert (got.num_warps, got.maxnreg) == (8, want), (props.capability, compiler, extra, got)
 
 
+def test_sm120_deterministic_16bit_configs_take_the_register_cap_with_triton_37():
+    """With Triton 3.7 ptxas held the 4-warp owner-computes dW kernel on sm_120 (bf16 / fp16, 64 x 64 x 32) to 168
+    registers beside a temperature with a softcap or a bias and spilled 8-16 B (5 launches of the backward's whole
+    flag product there, which no covering level reached; 3.6 / 3.8 / 3.9 compiled them clean): the cap at 255 for
+    the deterministic configs with either. Every other target and Triton keeps the config it had."""
+    import torch
+
+    from cce_dist.kernels import config as C
+
+    sm120 = C.KNOWN_DEVICES["sm_120"]
+    assert sm120.consumer_blackwell and not sm120.consumer_ampere_ada
+    assert C.KNOWN_DEVICES["sm_86"].consumer_ampere_ada and not C.KNOWN_DEVICES["sm_86"].consumer_blackwell
+    for name in ("sm_80", "sm_90", "sm_100"):
+        props = C.KNOWN_DEVICES[name]
+        assert not (props.consumer_ampere_ada or props.consumer_blackwell), name
+    for dtype in (torch.bfloat16, torch.float16):
+        for extra in (dict(softcap=True), dict(bias=True), dict(softcap=True, bias=True)):
+            got = C.backward_config(sm120, dtype, compiler=(3, 7), deterministic=True, **extra)
+            assert (got.num_warps, got.block_v, got.maxnreg) == (4, 64, 255), (dtype, extra, got)
+            # not without the deterministic epilogue (the per-tile kernel), nor on sm_80 / sm_86 with 3.7
+            assert C.backward_config(sm120, dtype, compiler=(3, 7), **extra).num_warps == 8
+            for name in ("sm_80", "sm_86"):
+                other = C.backward_config(C.KNOWN_DEVICES[name], dtype, compiler=(3, 7), deterministic=True, **extra)
+                assert other.maxnreg is None, (name, dtype, extra, other)
+        # ptxas's own choice kept where 3.7 compiled clean: deterministic without a bias or a softcap, and with 3.6
+        # and 3.9 (3.8's softcap rule caps every bf16 / fp16 config with a softcap there: asserted beside it)
+        assert C.backward_config(sm120, dtype, compiler=(3, 7), deterministic=True).maxnreg is None
+        for compiler in ((3, 6), (3, 9)):
+            got = C.backward_config(sm120, dtype, compiler=compiler, deterministic=True, bias=True)
+            assert got.maxnreg is None, (compiler, dtype, got)
+
+
 _GA10X_PROBE = """
 import json, sys
 from cce_dist.kernels import aot, config

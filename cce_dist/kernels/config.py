@@ -97,6 +97,17 @@ class DeviceProps:
         return DeviceProps(cap, sms, smem, str(getattr(p, "name", "")))
 
     @property
+    def consumer_ampere_ada(self) -> bool:
+        """Capability 8.6 or later of major 8 (sm_86 / sm_87 / sm_89: RTX 30 / A10 / A40, Orin, RTX 40 / L4 / L40):
+        mma.sync like sm_80, where some kernels' register allocation differs from sm_80's (``backward_config``)."""
+        return self.capability[0] == 8 and self.capability[1] >= 6
+
+    @property
+    def consumer_blackwell(self) -> bool:
+        """Capability 12.x (sm_120: RTX 50, RTX PRO 6000): mma.sync with 99 KB of shared memory, no tcgen05."""
+        return self.mma == "mma" and self.capability[0] >= 12
+
+    @property
     def mma(self) -> str:
         """Tensor-core instruction family: 'wgmma', 'tcgen05', 'mma' (mma.sync) or 'none'."""
         major = self.capability[0]
@@ -320,7 +331,7 @@ def forward_candidates(
         # (16 B in 64-wide chunks)
         bd //= 2
     # mma.sync's 8-warp tiles on sm_120: ptxas held them to 128 registers and spilled 8-16 B (below), capped at 255
-    cap120 = 255 if props.mma == "mma" and props.capability[0] >= 12 else None
+    cap120 = 255 if props.consumer_blackwell else None
     if props.mma == "tcgen05":
         # The accumulator lives in tensor memory, but the epilogue reads it back into registers:
         # 128x128 tiles spill there (the readback plus the online-softmax state), 64-row tiles do not.
@@ -480,7 +491,7 @@ def backward_config(
     )
     # sm_120, TF32 with a bias: the per-tile kernel (64 x 64 x 32 over 8 warps) spilled 8 B at 255 registers without
     # the bias gradient (Triton 3.9, the backward's whole flag product); half-wide vocab tiles do not
-    sm120 = props.mma == "mma" and props.capability[0] >= 12  # consumer Blackwell (RTX 50): mma.sync, 99 KB
+    sm120 = props.consumer_blackwell
     sm120_tf32 = sm120 and not sixteen_bit and tf32
     tf32_bias = sm120_tf32 and bias and not deterministic
     epilogues = softcap + filtering + deterministic + class_weights
@@ -507,8 +518,7 @@ def backward_config(
         c = dataclasses.replace(c, maxnreg=255)
     # and on sm_86 / sm_89 with Triton 3.8 that TF32 dW kernel to 128 registers too: 8 B beside a bias, a softcap and a
     # temperature (the backward's whole flag product; with 3.9 none): the cap for every TF32 deterministic config there
-    ga10x = props.capability[0] == 8 and props.capability[1] >= 6  # consumer Ampere / Ada: sm_86, sm_89
-    if ga10x and deterministic and not sixteen_bit and tf32 and compiler == (3, 8):
+    if props.consumer_ampere_ada and deterministic and not sixteen_bit and tf32 and compiler == (3, 8):
         c = dataclasses.replace(c, maxnreg=255)
     # sm_120 with a softcap: with Triton 3.8 in bf16 / fp16 ptxas held the 8-warp per-tile kernel (64 x 128 x 32) to 128
     # registers and the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 beside a temperature (8-16 B, 6 launches),
@@ -516,6 +526,11 @@ def backward_config(
     # whole flag products there; with 3.9 none): the cap at 255 for every such config (not TF32 with 3.7 / 3.8, where
     # the cap made ptxas spill beside class weights: above)
     if softcap and ((sm120 and sixteen_bit and compiler == (3, 8)) or (sm120_tf32 and compiler == (3, 6))):
+        c = dataclasses.replace(c, maxnreg=255)
+    # and with Triton 3.7 in bf16 / fp16 the 4-warp deterministic dW kernel (64 x 64 x 32) to 168 registers beside a
+    # temperature with a softcap or a bias (8-16 B, 5 launches of the backward's whole flag product there): the cap at
+    # 255 for the deterministic configs with either
+    if sm120 and sixteen_bit and deterministic and compiler == (3, 7) and (softcap or bias):
         c = dataclasses.replace(c, maxnreg=255)
     if props.mma == "tcgen05":
         # ptxas's own heuristic held 8-warp backward kernels there to 128 registers and spilled 8-24 B in flag sets no
@@ -580,8 +595,9 @@ def _backward_tiles(
         # registers). On sm_86 / sm_89 the filtering dH kernel over 4 warps spilled with 3.9 too, beside a bias or a
         # temperature (8-16 B at the paper shape, 48-56 B at 255 registers at a token count not a multiple of 16; the
         # backward's whole flag product, 11 launches): the filter keeps 8 warps there.
-        ga10x = props.capability[0] == 8 and props.capability[1] >= 6  # consumer Ampere / Ada: sm_86, sm_89
-        four = (compiler >= (3, 9) and not (ga10x and filtering)) or (props.capability[0] >= 12 and compiler >= (3, 7))
+        four = (compiler >= (3, 9) and not (props.consumer_ampere_ada and filtering)) or (
+            props.consumer_blackwell and compiler >= (3, 7)
+        )
         warps = 4 if props.mma == "mma" and dtype != torch.float32 and four else 8
         return BwdConfig(64, 64, d, d_out, group_n=8, num_warps=warps, num_stages=2)
     if props.mma == "tcgen05" and deterministic:
@@ -639,13 +655,13 @@ def pick_splits(n: int, v: int, block_n: int, block_v: int, props: DeviceProps, 
     (merged afterwards, ``splits * N * 5`` floats). Choose the split count, at most one more wave
     than needed and with >= 4 vocab tiles per split, whose last wave is fullest (waves of
     ``sms * blocks_per_sm`` programs); ties go to fewer splits."""
-    tiles = -(-n // block_n)
+    tiles = cdiv(n, block_n)
     slots = max(1, props.sms * blocks_per_sm)
-    most = max(1, -(-v // (4 * block_v)))
+    most = max(1, cdiv(v, 4 * block_v))
     best, best_eff = 1, 0.0
-    for s in range(1, min(most, max(1, -(-2 * slots // tiles))) + 1):
+    for s in range(1, min(most, max(1, cdiv(2 * slots, tiles))) + 1):
         p = tiles * s
-        waves = -(-p // slots)
+        waves = cdiv(p, slots)
         eff = p / (waves * slots)
         if eff > best_eff + 0.02:
             best, best_eff = s, eff

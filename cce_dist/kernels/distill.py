@@ -879,7 +879,7 @@ def distill_config(
         # and chunks, or more warps, only moved the spill. The cap at 255 lets it keep them in registers
         # (benchmarks/results/aot_spills_pairs.md, aot_spills_triples.md).
         c = dataclasses.replace(c, maxnreg=255)
-    if props.capability[0] >= 12 and dtype != torch.float32:
+    if props.consumer_blackwell and dtype != torch.float32:
         # and the 16-bit statistics pass with both softcaps, a temperature and a hard label spilled 8-32 B at 255
         # registers with 128-wide vocab tiles (sm_120, Triton 3.7-3.9)
         c = dataclasses.replace(c, block_v=min(c.block_v, 64))
@@ -902,7 +902,7 @@ def _distill_tiles(props, dtype, tf32, deterministic, compiler, aligned) -> _con
     c = _config.backward_config(props, dtype, tf32=tf32, softcap=True, deterministic=deterministic, compiler=compiler)
     if props.mma == "mma" and dtype == torch.float32 and c.block_v > 64:
         c = dataclasses.replace(c, block_v=64)
-    if props.mma == "mma" and dtype == torch.float32 and props.capability[0] >= 12:
+    if props.consumer_blackwell and dtype == torch.float32:
         # TF32 on sm_120 in 16-wide K chunks (two k=8 steps): 32-wide ones spilled 8 B at 255 registers in the
         # statistics pass with both softcaps, a temperature and a hard label (Triton 3.9,
         # benchmarks/results/aot_spills_pairs.md); on sm_80 / sm_86 16-wide ones spill 8-24 B instead
