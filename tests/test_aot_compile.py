@@ -564,6 +564,28 @@ def test_sm120_deterministic_16bit_configs_take_the_register_cap_with_triton_37(
             assert got.maxnreg is None, (compiler, dtype, got)
 
 
+def test_sm80_filtering_deterministic_configs_with_a_bias_take_the_register_cap_with_triton_38():
+    """With Triton 3.8 ptxas held the 8-warp owner-computes dW kernel on sm_80 (bf16 / fp16, 64 x 64 x 32) with a bias
+    and the filter to 128 registers and spilled 8 B (4 launches of the backward's whole flag product there, which no
+    covering level reached; 3.6 / 3.7 run half-wide vocab tiles there, 3.9 4 warps): the cap at 255 there.
+    sm_86 (whose whole product with 3.8 compiled them clean) keeps ptxas's own choice."""
+    import torch
+
+    from cce_dist.kernels import config as C
+
+    sm80, sm86 = C.KNOWN_DEVICES["sm_80"], C.KNOWN_DEVICES["sm_86"]
+    flags = dict(deterministic=True, filtering=True, bias=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = C.backward_config(sm80, dtype, compiler=(3, 8), **flags)
+        assert (got.num_warps, got.block_v, got.maxnreg) == (8, 64, 255), (dtype, got)
+        assert C.backward_config(sm86, dtype, compiler=(3, 8), **flags).maxnreg is None
+        assert C.backward_config(sm80, dtype, compiler=(3, 9), **flags).num_warps == 4
+        # without the bias or without the filter ptxas's own choice compiled clean
+        for drop in ("bias", "filtering"):
+            other = C.backward_config(sm80, dtype, compiler=(3, 8), **{**flags, drop: False})
+            assert other.maxnreg is None, (dtype, drop, other)
+
+
 _GA10X_PROBE = """
 import json, sys
 from cce_dist.kernels import aot, config

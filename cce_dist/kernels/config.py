@@ -508,6 +508,12 @@ def backward_config(
     held = bias or (softcap and class_weights and sixteen_bit)
     if props.mma == "mma" and not deterministic and c.num_warps == 8 and held:
         c = dataclasses.replace(c, maxnreg=255)
+    # and with Triton 3.8 on sm_80 the 8-warp deterministic dW kernel (bf16 / fp16, 64 x 64 x 32) with a bias and the
+    # filter to 128 registers: 8 B (4 launches of the backward's whole flag product; 3.6 / 3.7 compiled them clean,
+    # 3.9 runs 4 warps): the cap at 255 there. Not on sm_86, whose whole product with 3.8 compiled them clean.
+    owner_held = deterministic and bias and filtering and sixteen_bit and c.num_warps == 8 and compiler == (3, 8)
+    if props.mma == "mma" and not props.consumer_ampere_ada and owner_held:
+        c = dataclasses.replace(c, maxnreg=255)
     # and on sm_120 the 4-warp deterministic dH kernel (bf16, its token tile halved to 32 x 64) with a bias, a
     # temperature and the filter to 168 registers: 16 B (Triton 3.9, the backward's whole flag product): the cap at 255
     # with a bias beside the filter there. Not on sm_86, where the cap made that kernel (64 x 64) spill 40 B (3.9, the
