@@ -327,7 +327,7 @@ def linear_cross_entropy(
             in float32 for float16 tensors and in their own dtype otherwise, and backward applies the
             upstream gradient, e.g. a loss scale, in float32 before rounding them once to each
             tensor's dtype). None = whenever it applies.
-        filter_eps: triton impl: gradient filtering threshold (None = exact, "auto").
+        filter_eps: triton impl: gradient filtering threshold (None = exact, "auto", or a number in [0, 1)).
         deterministic: triton impl: bitwise reproducible backward (no float atomics).
         row_outputs: any of ``"predicted"``, ``"is_top1"``, ``"log_sum_sq_probs"``, ``"mean_logit"``
             (:class:`cce_dist.RowOutputs`): per-token outputs from the same row statistics, not

@@ -122,6 +122,44 @@ def test_integer_target_dtypes(tdtype, form):
     assert torch.equal(got, ref)
 
 
+#: numeric options where a bool means something documented: ``shift=True`` is ``shift=1``
+_BOOL_MEANS_SOMETHING = {"shift"}
+
+
+def _number_fields():
+    from cce_dist.core.options import CrossEntropyOptions, DistillationOptions, LogprobOptions
+
+    return [
+        (cls, name) for cls in (CrossEntropyOptions, LogprobOptions, DistillationOptions) for name in cls.NUMBER_FIELDS
+    ]
+
+
+@pytest.mark.parametrize("value", [True, False, math.inf, -math.inf, math.nan], ids=repr)
+@pytest.mark.parametrize("cls,field", _number_fields(), ids=lambda x: getattr(x, "__name__", x))
+def test_every_numeric_option_refuses_bools_and_non_finite_values(cls, field, value):
+    """Each options class's numeric fields (``NUMBER_FIELDS``, so a new one is checked without being listed here)
+    refuse a bool (``filter_eps=True`` had been read as a threshold of 1.0, dropping most of the gradient;
+    ``label_smoothing=True`` as full smoothing, ``z_loss=True`` as a coefficient of 1) and a non-finite value
+    (``filter_eps=inf`` had been accepted), with an error naming the field."""
+    if isinstance(value, bool) and field in _BOOL_MEANS_SOMETHING:
+        cls(**{field: value})  # documented: the bool's int
+        return
+    with pytest.raises((TypeError, ValueError), match=rf"\b{field}\b"):
+        cls(**{field: value})
+
+
+@pytest.mark.parametrize("value", [1.0, 1, 2.5])
+def test_filter_eps_of_one_or_more_is_refused(value):
+    """``filter_eps`` is relative to each row's softmax coefficients (probabilities <= 1): at 1 or more every tile
+    would be skipped, so it is refused; just below 1 and "auto" are accepted."""
+    from cce_dist.core.options import CrossEntropyOptions
+
+    with pytest.raises(ValueError, match=r"filter_eps.*\[0, 1\)"):
+        CrossEntropyOptions(filter_eps=value)
+    assert CrossEntropyOptions(filter_eps=0.999).filter_eps == 0.999
+    assert CrossEntropyOptions(filter_eps="auto").filter_eps == "auto"
+
+
 def test_bad_input_leaves_inputs_untouched():
     h, w, b, t = _good()
     t_bad = t.clone()

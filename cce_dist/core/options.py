@@ -154,6 +154,17 @@ def _finite(x: float) -> bool:
     return abs(x) < math.inf
 
 
+def _check_number(name: str, x, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
+    """``x`` as a float in the interval from ``lo`` to ``hi`` (open ends where asked), else a ValueError."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
+    if ok:
+        ok = (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {x!r}")
+    return float(x)
+
+
 def _check_softcap(softcap: float | None) -> float | None:
     if softcap is None:
         return None
@@ -246,12 +257,15 @@ class CommonOptions(LossOptions):
         object.__setattr__(self, "row_outputs", check_row_outputs(self.row_outputs))
         object.__setattr__(self, "softcap", _check_softcap(self.softcap))
         object.__setattr__(self, "shift", _check_shift(self.shift))
-        if (
-            self.filter_eps is not None
-            and self.filter_eps != "auto"
-            and not (isinstance(self.filter_eps, (int, float)) and self.filter_eps >= 0)
-        ):
-            raise ValueError(f"filter_eps must be None, 'auto' or a number >= 0, got {self.filter_eps!r}")
+        if self.filter_eps is not None and not (isinstance(self.filter_eps, str) and self.filter_eps == "auto"):
+            # a threshold relative to each row's coefficients (p <= 1): at 1 or more every tile would be skipped
+            try:
+                _check_number("filter_eps", self.filter_eps, 0.0, 1.0, hi_open=True)
+            except ValueError:
+                raise ValueError(
+                    f"filter_eps must be None, 'auto' or a finite number in [0, 1) (a threshold relative to each "
+                    f"row's softmax coefficients), got {self.filter_eps!r}"
+                ) from None
 
 
 #: the former name, kept for code that imported it
@@ -298,10 +312,8 @@ class CrossEntropyOptions(CommonOptions):
         _check_reduction(self.reduction)
         _check_flag("return_lse", self.return_lse)
         _check_flag("grad_in_forward", self.grad_in_forward, optional=True)
-        if not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
-        if not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0.0 or not _finite(self.z_loss):
-            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
+        _check_number("label_smoothing", self.label_smoothing, 0.0, 1.0)
+        _check_number("z_loss", self.z_loss, 0.0, math.inf, hi_open=True)
 
 
 @dataclass(frozen=True)
@@ -322,25 +334,12 @@ class LogprobOptions(CommonOptions):
         super().__post_init__()
         if rebuilt_by_dynamo(self):
             return
-        t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0 or not _finite(t):
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        _check_number("temperature", self.temperature, 0.0, math.inf, lo_open=True, hi_open=True)
         _check_flag("return_entropy", self.return_entropy)
 
 
 Divergence = Literal["kl", "reverse_kl", "jsd"]
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
-
-
-def _check_number(name: str, x, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
-    """``x`` as a float in the interval from ``lo`` to ``hi`` (open ends where asked), else a ValueError."""
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
-    if ok:
-        ok = (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
-    if not ok:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {x!r}")
-    return float(x)
 
 
 @dataclass(frozen=True)
