@@ -1,6 +1,7 @@
 """torch.compile regressions: the compiled path runs the eager validation (a vocabulary too large for exact predicted
 ids is refused, not answered wrongly), the public entry points trace on the torch floor (no ``locals()``, which
-Dynamo 2.10 / 2.11 cannot trace), and distillation under compile says what to do instead of failing inside Dynamo."""
+Dynamo 2.10 / 2.11 cannot trace), distillation under compile says what to do instead of failing inside Dynamo, and
+tracing the entry points warns nothing."""
 
 from __future__ import annotations
 
@@ -212,3 +213,61 @@ def test_triton_impl_resolves_under_fullgraph():
     torch._dynamo.reset()
     for got, ref in zip(torch.compile(loss, fullgraph=True, backend="eager")(h, w, t), loss(h, w, t)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. no warning from tracing cce_dist
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _compiled_calls():
+    """One call of each compiled form: the scalar loss, per-token losses with the lse, logprobs with the entropy and
+    row outputs, the module."""
+    return {
+        "cross_entropy": lambda h, w, t, impl: cce_dist.linear_cross_entropy(h, w, t, impl=impl),
+        "cross_entropy_none": lambda h, w, t, impl: sum(
+            x.sum() for x in cce_dist.linear_cross_entropy(h, w, t, impl=impl, reduction="none", return_lse=True)
+        ),
+        "logprobs": lambda h, w, t, impl: sum(
+            x.sum() for x in cce_dist.linear_logprobs(h, w, t, impl=impl, return_entropy=True)
+        ),
+        "row_outputs": lambda h, w, t, impl: cce_dist.linear_logprobs(h, w, t, impl=impl, row_outputs=("is_top1",))[
+            0
+        ].sum(),
+        "module": lambda h, w, t, impl: cce_dist.LinearCrossEntropy(impl=impl)(h, w, t),
+    }
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("form", list(_compiled_calls()))
+def test_tracing_cce_dist_warns_nothing(form, impl):
+    """torch.compile of each entry point, forward and backward, warns nothing: Dynamo warned "Silent incorrectness is
+    only a *potential* risk" where it traced the ``functools.cache``-wrapped ``impl.backends.triton`` (impl="triton",
+    and "auto" on CUDA tensors; torch 2.13 and 2.15). Dynamo warns once per message and process, so its memo is
+    cleared first."""
+    if impl == "triton":
+        pytest.importorskip("cce_dist.kernels")
+        from cce_dist import kernels
+
+        if not kernels.available():
+            pytest.skip("the Triton kernels cannot run here")
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    getattr(dynamo_utils, "warn_once_cache", set()).clear()
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(5, 16, generator=g, requires_grad=True)
+    w = torch.randn(11, 16, generator=g, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 10, 0])
+    call = _compiled_calls()[form]
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = torch.compile(lambda h, w, t: call(h, w, t, impl), fullgraph=True, backend="eager")(h, w, t)
+        got_grads = torch.autograd.grad(got, (h, w))
+    assert [f"{x.category.__name__}: {x.message}" for x in seen] == []
+    want = call(h, w, t, impl)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, torch.autograd.grad(want, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

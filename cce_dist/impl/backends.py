@@ -8,8 +8,6 @@ backend is built on first use: building it imports :mod:`cce_dist.kernels` (not 
 
 from __future__ import annotations
 
-import functools
-
 from ..core.backend import Backend, DistillPass
 from . import torch_cross_entropy, torch_distill
 
@@ -35,10 +33,21 @@ TORCH = Backend(
 )
 
 
-@functools.cache
+#: :func:`triton`'s backend once built. A plain memo, not ``functools.cache``: under torch.compile the driver reaches
+#: :func:`triton` through :func:`by_name`, and Dynamo warns of "silent incorrectness" at every cache-wrapped function
+#: it traces (tests/test_compile_regressions.py); the resolution before tracing has built it by then.
+_TRITON: list[Backend] = []
+
+
 def triton() -> Backend:
     """The Triton implementation (:mod:`cce_dist.kernels`): filtering, float atomics unless ``deterministic``, no
     fused cross-entropy schedule (its backward kernels need the global statistics first), Triton distillation."""
+    if not _TRITON:
+        _TRITON.append(_build_triton())
+    return _TRITON[0]
+
+
+def _build_triton() -> Backend:
     from .. import kernels
     from . import triton_distill
 
