@@ -15,7 +15,7 @@ from .core.shard import VocabShard
 from .engine.data_parallel import all_targets, own_rows
 from .engine.distill_autograd import DistillRows, FusedDistill
 from .engine.driver import Call, StatsNeeds, plan_call
-from .engine.prepare import grad_needs, reduce_loss
+from .engine.prepare import grad_needs, is_dtensor, reduce_loss
 
 Tensor = torch.Tensor
 
@@ -84,7 +84,10 @@ def linear_distillation(
     Args:
         student_hidden: ``[..., D_s]`` floating point (cast to the student's compute dtype: its
             weight's dtype, or the autocast dtype). Under ``shard.sequence_parallel``: ``[n/P, ..., D_s]``.
-        student_weight: ``[V_local, D_s]`` the student's (shard of the) LM head.
+        student_weight: ``[V_local, D_s]`` the student's (shard of the) LM head, or a DTensor: ``Shard(0)`` on a 1-D
+            mesh (the shard derived from its placement, as for :func:`cce_dist.linear_cross_entropy`) or
+            ``Replicate()``; then ``teacher_weight`` must be a DTensor placed alike (the same vocab rows), and the
+            hidden states, biases and targets may be DTensors on that mesh as for the cross-entropy.
         teacher_hidden: ``[..., D_t]`` (same leading shape as the student's; any float dtype); frozen.
         teacher_weight: ``[V_local, D_t]`` the teacher's head rows, the same vocab rows as the student's; frozen.
         targets: ``[...]`` integer global ids in ``[0, V)`` or ``ignore_index``, or None (every row
@@ -153,6 +156,9 @@ def linear_distillation(
         softcap=softcap,
         grad_in_forward=grad_in_forward,
     )
-    return _distill(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias, opts
-    )
+    args = (student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias, teacher_bias)
+    if any(is_dtensor(t) for t in args):  # DTensor heads (cce_dist.tp.dtensor), as for the cross-entropy
+        from .tp.dtensor import distillation_from_dtensor
+
+        *args, opts = distillation_from_dtensor(*args, opts)
+    return _distill(*args, opts)

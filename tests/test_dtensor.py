@@ -6,7 +6,7 @@ Each part (SECTIONS) is its own pytest item, run on the persistent 2-rank pool (
 import pytest
 import torch
 from helpers import leaf, problem
-from oracle import oracle_cross_entropy, oracle_logprobs
+from oracle import oracle_cross_entropy, oracle_distill, oracle_logprobs
 
 dt = pytest.importorskip("torch.distributed.tensor")
 from torch.distributed.tensor import (  # noqa: E402
@@ -152,6 +152,80 @@ def _sharded_head_with_class_weights(rank, world, group, vocab, d, n):
         cce_dist.linear_cross_entropy(h, wd, T, class_weight=distribute_tensor(cw, mesh, [Shard(0)]), **kw)
 
 
+def _distillation_heads(rank, world, group, vocab, d, n):
+    """linear_distillation with Shard(0) student and teacher heads (and biases), the hidden states plain and as a
+    Replicate DTensor, each divergence: loss and every student gradient vs the two-head oracle; Replicate heads
+    too."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
+    g = torch.Generator().manual_seed(3)
+    d_t = d + 3  # the teacher's own hidden size
+    Wt, Bt, Ht = torch.randn(vocab, d_t, generator=g), torch.randn(vocab, generator=g), torch.randn(n, d_t, generator=g)
+    for divergence, hidden_dtensor in (("kl", False), ("reverse_kl", True), ("jsd", False)):
+        kw = dict(divergence=divergence, temperature=1.5, hard_label_weight=0.25, softcap=(3.0, 4.0))
+        w_ref, b_ref, h_ref = leaf(W), leaf(B), leaf(H)
+        ref = oracle_distill(h_ref, w_ref, Ht, Wt, T, student_bias=b_ref, teacher_bias=Bt, **kw)
+        ref.backward()
+        wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
+        bd = distribute_tensor(B, mesh, [Shard(0)]).requires_grad_(True)
+        wt, bt = distribute_tensor(Wt, mesh, [Shard(0)]), distribute_tensor(Bt, mesh, [Shard(0)])
+        h = distribute_tensor(H, mesh, [Replicate()]).requires_grad_(True) if hidden_dtensor else leaf(H)
+        ht = distribute_tensor(Ht, mesh, [Replicate()]) if hidden_dtensor else Ht
+        loss = cce_dist.linear_distillation(h, wd, ht, wt, T, student_bias=bd, teacher_bias=bt, impl="torch", **kw)
+        loss.backward()
+        what = f"{divergence}, hidden {'Replicate' if hidden_dtensor else 'plain'}"
+        assert not isinstance(loss, DTensor)
+        _close(loss, ref.float(), f"loss ({what})")
+        assert isinstance(wd.grad, DTensor) and wd.grad.placements == (Shard(0),)
+        _close(wd.grad.full_tensor(), w_ref.grad, f"dW ({what})")
+        _close(bd.grad.full_tensor(), b_ref.grad, f"db ({what})")
+        got_dh = h.grad.full_tensor() if hidden_dtensor else h.grad
+        _close(got_dh, h_ref.grad, f"dH ({what})")
+    wr = distribute_tensor(W, mesh, [Replicate()]).requires_grad_(True)
+    loss = cce_dist.linear_distillation(H, wr, Ht, distribute_tensor(Wt, mesh, [Replicate()]), T, impl="torch")
+    w_ref = leaf(W)
+    ref = oracle_distill(H, w_ref, Ht, Wt, T)
+    ref.backward()
+    loss.backward()
+    _close(loss, ref.float(), "loss (Replicate heads)")
+    _close(wr.grad.full_tensor(), w_ref.grad, "dW (Replicate heads)")
+    # data-parallel (FSDP2's placement): each rank its own tokens, here the same on both, so each rank's loss is the
+    # oracle's and the weight gradient (the sum over ranks divided by the group size) too
+    from cce_dist.tp.dtensor import data_parallel_shard
+
+    wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_(True)
+    h = leaf(H)
+    dp = data_parallel_shard(wd)
+    loss = cce_dist.linear_distillation(h, wd, Ht, distribute_tensor(Wt, mesh, [Shard(0)]), T, shard=dp, impl="torch")
+    loss.backward()
+    _close(loss, ref.float(), "loss (data-parallel heads)")
+    _close(wd.grad.full_tensor(), w_ref.grad, "dW (data-parallel heads)")
+    h_ref = leaf(H)
+    oracle_distill(h_ref, W, Ht, Wt, T).backward()
+    _close(h.grad, h_ref.grad, "dH (data-parallel heads)")
+    return None
+
+
+def _distillation_errors(rank, world, group, vocab, d, n):
+    """linear_distillation's DTensor errors name the argument (every rank, before any collective)."""
+    mesh, W, B, H, T = _setup(world, vocab, d, n)
+    ws = distribute_tensor(W, mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="student_weight is a DTensor but teacher_weight is not"):
+        cce_dist.linear_distillation(H, ws, H, W, T)
+    with pytest.raises(ValueError, match="teacher_weight is a DTensor but student_weight is not"):
+        cce_dist.linear_distillation(H, W, H, ws, T)
+    with pytest.raises(ValueError, match="teacher_weight is a DTensor placed"):
+        cce_dist.linear_distillation(H, ws, H, distribute_tensor(W, mesh, [Replicate()]), T)
+    w1 = distribute_tensor(W, mesh, [Shard(1)])
+    with pytest.raises(ValueError, match="student_weight is a DTensor with placements"):
+        cce_dist.linear_distillation(H, w1, H, w1, T)
+    hp = DTensor.from_local(H, mesh, [Partial()])
+    with pytest.raises(ValueError, match="teacher_hidden is a Partial DTensor"):
+        cce_dist.linear_distillation(H, ws, hp, ws, T)
+    with pytest.raises(ValueError, match="student_bias is a DTensor with placements"):
+        cce_dist.linear_distillation(H, ws, H, ws, T, student_bias=distribute_tensor(B, mesh, [Replicate()]))
+    return None
+
+
 SECTIONS = [
     _sharded_weight_and_bias,
     _sharded_head_with_class_weights,
@@ -159,6 +233,8 @@ SECTIONS = [
     _replicate_weight,
     _clear_errors,
     _colwise_parallel_output_layer,
+    _distillation_heads,
+    _distillation_errors,
 ]
 
 

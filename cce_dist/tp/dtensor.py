@@ -37,7 +37,7 @@ from typing import Any
 from ..core.options import CommonOptions
 from ..core.shard import VocabShard
 
-__all__ = ["DATA_PARALLEL_MARK", "data_parallel_shard", "from_dtensor"]
+__all__ = ["DATA_PARALLEL_MARK", "data_parallel_shard", "distillation_from_dtensor", "from_dtensor"]
 
 #: the attribute :func:`cce_dist.fsdp.shard_lm_head` sets on a head's ``Shard(0)`` weight (and bias) parameter: its
 #: ``grad_divide_factor`` (None = the group size). Such a weight is data-parallel: read without a data-parallel
@@ -65,10 +65,10 @@ def _placement_str(t) -> str:
     return "(" + ", ".join(str(p) for p in t.placements) + ")"
 
 
-def _weight_shard(weight, opts: CommonOptions | None):
-    """(local weight, VocabShard or None) of a DTensor weight."""
+def _weight_shard(weight, opts: CommonOptions | None, name: str = "weight"):
+    """(local weight, VocabShard or None) of a DTensor weight (the argument ``name``)."""
     DTensor, Partial, Replicate, Shard = _types()
-    mesh = _mesh_1d("weight", weight)
+    mesh = _mesh_1d(name, weight)
     (pl,) = weight.placements
     if isinstance(pl, Replicate):
         return weight.to_local(), None, mesh
@@ -79,14 +79,14 @@ def _weight_shard(weight, opts: CommonOptions | None):
         start, stop = int(offset[0]), int(offset[0]) + int(local_shape[0])
         return weight.to_local(), (mesh.get_group(), start, stop), mesh
     raise ValueError(
-        f"cce_dist: weight is a DTensor with placements {_placement_str(weight)}; supported are Shard(0) "
+        f"cce_dist: {name} is a DTensor with placements {_placement_str(weight)}; supported are Shard(0) "
         "(vocab-parallel, e.g. ColwiseParallel) and Replicate()"
     )
 
 
-def _same_mesh(name: str, t, mesh) -> None:
+def _same_mesh(name: str, t, mesh, weight_name: str = "weight") -> None:
     if t.device_mesh != mesh:
-        raise ValueError(f"cce_dist: {name} is a DTensor on a different device mesh than weight")
+        raise ValueError(f"cce_dist: {name} is a DTensor on a different device mesh than {weight_name}")
 
 
 def data_parallel_shard(
@@ -121,20 +121,27 @@ def data_parallel_shard(
     )
 
 
-def _check_data_parallel(hidden, targets, marked: bool, given: VocabShard | None, group) -> None:
+def _check_data_parallel(
+    hidden,
+    targets,
+    marked: bool,
+    given: VocabShard | None,
+    group,
+    names: tuple[str, str, str] = ("hidden", "weight", "bias"),
+) -> None:
     """What a data-parallel shard needs of the DTensor arguments (local checks, the same on every rank); ``marked``:
-    the weight carries :data:`DATA_PARALLEL_MARK`."""
+    the weight carries :data:`DATA_PARALLEL_MARK`; ``names``: the arguments' names (hidden, weight, bias)."""
     DTensor = _types()[0]
     if given is None or not given.data_parallel:
         if marked:
             raise ValueError(
-                "cce_dist: weight is a head that cce_dist.fsdp.shard_lm_head sharded over a data-parallel mesh (each "
-                "rank scores its own tokens); pass shard=cce_dist.fsdp.head_shard(head) (data_parallel=True), not "
-                f"{'no shard' if given is None else 'a tensor-parallel shard'}: read as tensor-parallel it would "
+                f"cce_dist: {names[1]} is a head that cce_dist.fsdp.shard_lm_head sharded over a data-parallel mesh "
+                "(each rank scores its own tokens); pass shard=cce_dist.fsdp.head_shard(head) (data_parallel=True), "
+                f"not {'no shard' if given is None else 'a tensor-parallel shard'}: read as tensor-parallel it would "
                 "need identical tokens on every rank"
             )
         return
-    for name, t in (("hidden", hidden), ("targets", targets)):
+    for name, t in ((names[0], hidden), ("targets", targets)):
         if isinstance(t, DTensor):
             raise ValueError(
                 f"cce_dist: {name} is a DTensor but shard.data_parallel=True: pass this rank's own tokens as a plain "
@@ -144,47 +151,52 @@ def _check_data_parallel(hidden, targets, marked: bool, given: VocabShard | None
 
     if given.group is None or dist.get_process_group_ranks(given.group) != dist.get_process_group_ranks(group):
         raise ValueError(
-            "cce_dist: shard=VocabShard(data_parallel=True) names another process group than the DTensor weight's "
+            f"cce_dist: shard=VocabShard(data_parallel=True) names another process group than the DTensor {names[1]}'s "
             "mesh; build it with cce_dist.fsdp.head_shard(head) or data_parallel_shard(weight)"
         )
 
 
-def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
+def from_dtensor(hidden, weight, targets, bias, opts: Any, names: tuple[str, str, str] = ("hidden", "weight", "bias")):
     """Translate DTensor arguments into local tensors and options with the derived ``shard``.
 
-    Returns ``(hidden, weight_local, targets, bias_local, opts)`` ready for the regular path.
+    Returns ``(hidden, weight_local, targets, bias_local, opts)`` ready for the regular path. ``opts``: any loss's
+    options (their ``shard`` is read and replaced); ``names``: the arguments' names in the errors (hidden, weight,
+    bias).
     """
+    hidden_name, weight_name, bias_name = names
     DTensor, Partial, Replicate, Shard = _types()
     mesh = None
     shard_info = None
     if isinstance(weight, DTensor):
         marked = hasattr(weight, DATA_PARALLEL_MARK)
-        weight, shard_info, mesh = _weight_shard(weight, opts)
-        _check_data_parallel(hidden, targets, marked, opts.shard, mesh.get_group())
+        weight, shard_info, mesh = _weight_shard(weight, opts, weight_name)
+        _check_data_parallel(hidden, targets, marked, opts.shard, mesh.get_group(), names)
 
     if isinstance(bias, DTensor):
-        _mesh_1d("bias", bias)
+        _mesh_1d(bias_name, bias)
         if mesh is None:
-            raise ValueError("cce_dist: bias is a DTensor but weight is not; pass both as DTensors or neither")
-        _same_mesh("bias", bias, mesh)
+            raise ValueError(
+                f"cce_dist: {bias_name} is a DTensor but {weight_name} is not; pass both as DTensors or neither"
+            )
+        _same_mesh(bias_name, bias, mesh, weight_name)
         (pl,) = bias.placements
         want = Replicate if shard_info is None else Shard
         if not isinstance(pl, want) or (isinstance(pl, Shard) and pl.dim % max(bias.dim(), 1) != 0):
             raise ValueError(
-                f"cce_dist: bias is a DTensor with placements {_placement_str(bias)}; it must be placed like "
-                f"weight ({'Replicate()' if shard_info is None else 'Shard(0)'})"
+                f"cce_dist: {bias_name} is a DTensor with placements {_placement_str(bias)}; it must be placed like "
+                f"{weight_name} ({'Replicate()' if shard_info is None else 'Shard(0)'})"
             )
         bias = bias.to_local()
 
     if isinstance(hidden, DTensor):
-        hmesh = _mesh_1d("hidden", hidden)
+        hmesh = _mesh_1d(hidden_name, hidden)
         if mesh is not None:
-            _same_mesh("hidden", hidden, mesh)
+            _same_mesh(hidden_name, hidden, mesh, weight_name)
         (pl,) = hidden.placements
         if isinstance(pl, Partial):
             raise ValueError(
-                "cce_dist: hidden is a Partial DTensor (pending reduction); reduce it first "
-                "(hidden.redistribute(placements=[Replicate()]))"
+                f"cce_dist: {hidden_name} is a Partial DTensor (pending reduction); reduce it first "
+                f"({hidden_name}.redistribute(placements=[Replicate()]))"
             )
         if not isinstance(pl, Replicate):
             hidden = hidden.redistribute(hmesh, [Replicate()])
@@ -202,8 +214,47 @@ def from_dtensor(hidden, weight, targets, bias, opts: CommonOptions):
             if (given.start, given.stop) != (start, stop):
                 raise ValueError(
                     f"cce_dist: shard=VocabShard(start={given.start}, stop={given.stop}) disagrees with the DTensor "
-                    f"weight's local rows [{start}, {stop}); omit shard= to derive it from the placement"
+                    f"{weight_name}'s local rows [{start}, {stop}); omit shard= to derive it from the placement"
                 )
             shard = given
         opts = opts.replace(shard=shard)
     return hidden, weight, targets, bias, opts
+
+
+def distillation_from_dtensor(sh, sw, th, tw, targets, sb, tb, opts: Any):
+    """:func:`from_dtensor` for :func:`cce_dist.linear_distillation`'s two heads: the student's arguments as a loss's,
+    the teacher's the same way, and both heads' weights placed alike (``Shard(0)`` on the same mesh, so the same vocab
+    rows, or ``Replicate()``) or neither a DTensor; the shard derived from the student's, checked against the
+    teacher's. Returns ``(sh, sw, th, tw, targets, sb, tb, opts)`` local. Raises ValueError naming the argument
+    (local checks: every rank raises alike, before any collective)."""
+    DTensor = _types()[0]
+    if isinstance(sw, DTensor) != isinstance(tw, DTensor):
+        dt, plain = (
+            ("student_weight", "teacher_weight") if isinstance(sw, DTensor) else ("teacher_weight", "student_weight")
+        )
+        raise ValueError(
+            f"cce_dist: {dt} is a DTensor but {plain} is not; both heads must hold the same vocab rows: pass both "
+            "as DTensors placed alike, or both local (.to_local()) with shard="
+        )
+    if isinstance(sw, DTensor) and (sw.device_mesh != tw.device_mesh or sw.placements != tw.placements):
+        raise ValueError(
+            f"cce_dist: teacher_weight is a DTensor placed {_placement_str(tw)} on mesh {tw.device_mesh}, "
+            f"student_weight {_placement_str(sw)} on {sw.device_mesh}: both heads must hold the same vocab rows"
+        )
+    given = opts
+    sh, sw, targets, sb, opts = from_dtensor(
+        sh, sw, targets, sb, opts, ("student_hidden", "student_weight", "student_bias")
+    )
+    th, tw, _, tb, teacher_opts = from_dtensor(
+        th, tw, None, tb, given, ("teacher_hidden", "teacher_weight", "teacher_bias")
+    )
+    if opts.shard != teacher_opts.shard:
+        raise ValueError(
+            "cce_dist: teacher_weight's vocab rows differ from student_weight's (their shards: "
+            f"{_rows(teacher_opts.shard)} and {_rows(opts.shard)}): both heads must hold the same vocab rows"
+        )
+    return sh, sw, th, tw, targets, sb, tb, opts
+
+
+def _rows(shard: VocabShard | None) -> str:
+    return "all rows" if shard is None else f"rows [{shard.start}, {shard.stop})"
