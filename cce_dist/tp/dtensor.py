@@ -3,7 +3,8 @@
 :func:`cce_dist.linear_cross_entropy` / :func:`cce_dist.linear_logprobs` call
 :func:`from_dtensor` when the weight or the hidden states are ``torch.distributed.tensor.DTensor``
 (e.g. the output layer of a torchtitan model parallelized with
-``ColwiseParallel(use_local_output=False)``, whose weight is ``Shard(0)`` over the TP mesh).
+``ColwiseParallel(use_local_output=False)``, whose weight is ``Shard(0)`` over the TP mesh);
+:func:`cce_dist.linear_distillation` calls :func:`distillation_from_dtensor` (both heads, placed alike).
 
 Accepted layouts, on a 1-D device mesh:
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.options import CommonOptions
+from ..core.options import LossOptions
 from ..core.shard import VocabShard
 
 __all__ = ["DATA_PARALLEL_MARK", "data_parallel_shard", "distillation_from_dtensor", "from_dtensor"]
@@ -65,7 +66,7 @@ def _placement_str(t) -> str:
     return "(" + ", ".join(str(p) for p in t.placements) + ")"
 
 
-def _weight_shard(weight, opts: CommonOptions | None, name: str = "weight"):
+def _weight_shard(weight, opts: LossOptions | None, name: str = "weight"):
     """(local weight, VocabShard or None) of a DTensor weight (the argument ``name``)."""
     DTensor, Partial, Replicate, Shard = _types()
     mesh = _mesh_1d(name, weight)
@@ -156,7 +157,9 @@ def _check_data_parallel(
         )
 
 
-def from_dtensor(hidden, weight, targets, bias, opts: Any, names: tuple[str, str, str] = ("hidden", "weight", "bias")):
+def from_dtensor(
+    hidden, weight, targets, bias, opts: LossOptions, names: tuple[str, str, str] = ("hidden", "weight", "bias")
+):
     """Translate DTensor arguments into local tensors and options with the derived ``shard``.
 
     Returns ``(hidden, weight_local, targets, bias_local, opts)`` ready for the regular path. ``opts``: any loss's
@@ -221,7 +224,7 @@ def from_dtensor(hidden, weight, targets, bias, opts: Any, names: tuple[str, str
     return hidden, weight, targets, bias, opts
 
 
-def distillation_from_dtensor(sh, sw, th, tw, targets, sb, tb, opts: Any):
+def distillation_from_dtensor(sh, sw, th, tw, targets, sb, tb, opts: LossOptions):
     """:func:`from_dtensor` for :func:`cce_dist.linear_distillation`'s two heads: the student's arguments as a loss's,
     the teacher's the same way, and both heads' weights placed alike (``Shard(0)`` on the same mesh, so the same vocab
     rows, or ``Replicate()``) or neither a DTensor; the shard derived from the student's, checked against the
