@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .api import linear_cross_entropy
 from .core.shard import VocabShard
+from .engine.driver import refuse_on_group
 
 Tensor = torch.Tensor
 
@@ -124,15 +125,21 @@ def output_layer_loss(
     Raises:
         ImportError: megatron-core is not installed.
         ValueError: a conflicting option (``reduction`` other than "none", ``shard``, ``bias``),
-            no weight, a weight of the wrong shape, an expert layer.
-        cce_dist.InputError: bad inputs on any rank of the group (raised on every rank).
+            no weight, a weight of the wrong shape, labels not ``[b, s]``, an expert layer.
+        cce_dist.InputError: bad inputs on another rank of the group: every rank raises, the one with the bad
+            input its own error (its labels or weight included: the group is told before it raises).
     """
     _require_megatron()
-    shard_kw = _split_loss_options(loss_options)
-    weight = _head_weight(output_layer, weight)
+    shard_kw = _split_loss_options(loss_options)  # options: every rank raises alike
+    shift = loss_options.pop("shift", False)
+    try:  # this rank's own weight and labels: an error is raised on every rank of the group (refuse_on_group)
+        weight = _head_weight(output_layer, weight)
+        labels = _shifted_labels(labels, shift, loss_options.get("ignore_index", -100))
+    except (TypeError, ValueError) as e:
+        device = hidden_states.device if isinstance(hidden_states, Tensor) else torch.device("cpu")
+        refuse_on_group(_layer_shard(output_layer, None, shard_kw), e, device)
     bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
     shard = _layer_shard(output_layer, weight, shard_kw)
-    labels = _shifted_labels(labels, loss_options.pop("shift", False), loss_options.get("ignore_index", -100))
     out = linear_cross_entropy(
         hidden_states, weight, labels.transpose(0, 1), bias=bias, shard=shard, reduction="none", **loss_options
     )
@@ -178,9 +185,10 @@ def _head_weight(output_layer, weight: Tensor | None) -> Tensor:
     return weight
 
 
-def _layer_shard(output_layer, weight: Tensor, shard_kw: dict) -> VocabShard:
+def _layer_shard(output_layer, weight: Tensor | None, shard_kw: dict) -> VocabShard:
     """The :class:`VocabShard` of the layer: Megatron's even split over its tensor-parallel group, its sequence
-    parallelism, and its hidden-gradient reduction."""
+    parallelism, and its hidden-gradient reduction (``weight`` None: no rows, the shard of a call refused on this
+    rank)."""
     group = _tp_group(output_layer)
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
@@ -191,7 +199,7 @@ def _layer_shard(output_layer, weight: Tensor, shard_kw: dict) -> VocabShard:
     # parallelism) unless disable_grad_reduce leaves that to the caller (LoRA); we bypass the
     # layer's forward, so cce_dist does exactly that reduction itself.
     reduce_hidden_grad = sequence_parallel or not getattr(output_layer, "disable_grad_reduce", False)
-    v_local = int(weight.shape[0]) if weight.dim() >= 1 else 0
+    v_local = int(weight.shape[0]) if weight is not None and weight.dim() >= 1 else 0
     return VocabShard(
         group,
         rank * v_local,

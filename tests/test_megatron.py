@@ -222,6 +222,27 @@ def _megatron_body(rank, world, group):
             scale = want.float().abs().max().item()
             _close(f"[bf16] {name}", got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
         cases += 1
+
+        # a bad input on one rank only (its labels, then the weight it hands over): that rank raises its own error,
+        # the other an InputError naming it, none waits in a collective; then the group still scores a good call
+        from cce_dist import InputError
+
+        hidden, labels, labels_ign, ignored, grad_up, w_full, b_full = _inputs(600)
+        lyr = layer(False, False, False, w_full, b_full)
+        faults = (
+            ({}, labels.reshape(-1), r"labels must be a \[b, s\] tensor"),
+            ({"weight": torch.zeros(V // TP + 1, H)}, labels, r"supplied weight's shape"),
+        )
+        for kw, bad_labels, match in faults:
+            if rank == 1:
+                with pytest.raises(ValueError, match=match):
+                    output_layer_loss(lyr, hidden, bad_labels, **kw)
+            else:
+                with pytest.raises(InputError, match=r"rank\(s\) \[1\] of the tensor-parallel group rejected"):
+                    output_layer_loss(lyr, hidden, labels)
+        want_loss = reference(layer(False, False, False, w_full, b_full), hidden, labels, grad_up, None)[0]
+        _close("[after the refused calls] loss", output_layer_loss(lyr, hidden, labels).detach(), want_loss)
+        cases += 1
         return cases
     finally:
         parallel_state.destroy_model_parallel()
@@ -229,7 +250,7 @@ def _megatron_body(rank, world, group):
 
 def test_output_layer_loss_matches_megatron_tp2(tmp_path):
     out = run_ranks(_megatron_body, TP, tmp_path, timeout=240)
-    assert out == {0: 13, 1: 13}
+    assert out == {0: 14, 1: 14}
 
 
 class _FakeLayer:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -47,7 +47,7 @@ from .prepare import (
     resolve_filter_eps,
 )
 
-__all__ = ["Call", "StatsNeeds", "plan_call"]
+__all__ = ["Call", "StatsNeeds", "plan_call", "refuse_on_group"]
 
 Named = tuple[tuple[str, object], ...]
 LossForm = Literal["cross-entropy", "logprobs", "distillation"]
@@ -202,6 +202,28 @@ def plan_call(call: Call) -> tuple[Prepared, Plan]:
         chunk_tokens=torch_cross_entropy.chunk_tokens(layout.n_tokens, layout.max_local, opts.chunk_size),
     )
     return rows, plan
+
+
+def refuse_on_group(shard: VocabShard | None, error: BaseException, device: torch.device) -> NoReturn:
+    """Raise ``error``, a check of this rank's own inputs that a wrapper makes before its loss call (an integration's
+    labels, a weight it was handed), the way :func:`plan_call` raises its own: the group is told first (the
+    handshake's one all-gather, this rank marked as failed), so the other ranks, in the handshake of the same call,
+    raise :class:`cce_dist.InputError` naming this rank instead of waiting in a collective. Alone, or without the
+    handshake (``shard.check=False``, documented to strand the others), it raises at once. ``device``: where the
+    loss's hidden states live (the handshake's collective runs there)."""
+    if shard is not None and shard.world_size > 1 and shard.check:
+        handshake(
+            shard,
+            error,
+            n_tokens=0,
+            n_local_tokens=0,
+            hidden_dim=0,
+            options=(),
+            targets=None,
+            ignore_index=0,
+            device=device,
+        )
+    raise error
 
 
 def _exchange(
