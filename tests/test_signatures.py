@@ -297,18 +297,33 @@ def _calls(path: Path, name: str):
     ]
 
 
+def _enclosing_functions(path: Path, name: str) -> list[str]:
+    """The names of the functions of ``path`` whose bodies call ``name`` (once per call)."""
+    tree = ast.parse(path.read_text())
+    return [
+        fn.name
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef)
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
 def test_every_loss_reaches_the_handshake_through_the_driver():
-    """One call of tp.collectives.handshake in the package, in engine/driver.py (every loss runs the driver), with every
+    """tp.collectives.handshake is called in engine/driver.py only: by ``_exchange`` (every loss runs the driver) and
+    by ``refuse_on_group`` (a wrapper's check of its own rank's inputs, raised through the handshake), each with every
     keyword by name; the keywords have no defaults, so mypy also reports a missing one."""
     sig = inspect.signature(collectives.handshake)
     keywords = [p.name for p in sig.parameters.values() if p.kind == KEYWORD_ONLY]
     assert all(sig.parameters[k].default is inspect.Parameter.empty for k in keywords)
-    sites = {p.name: _calls(p, "handshake") for p in PKG.rglob("*.py")}
-    sites = {name: calls for name, calls in sites.items() if calls}
-    assert list(sites) == ["driver.py"] and len(sites["driver.py"]) == 1, sites
-    (call,) = sites["driver.py"]
-    assert [k.arg for k in call.keywords] == keywords
-    assert len(call.args) == len(sig.parameters) - len(keywords)
+    sites = {p: _calls(p, "handshake") for p in PKG.rglob("*.py")}
+    sites = {p: calls for p, calls in sites.items() if calls}
+    assert [p.name for p in sites] == ["driver.py"], sites
+    ((driver_path, calls),) = sites.items()
+    assert sorted(_enclosing_functions(driver_path, "handshake")) == ["_exchange", "refuse_on_group"]
+    for call in calls:
+        assert [k.arg for k in call.keywords] == keywords
+        assert len(call.args) == len(sig.parameters) - len(keywords)
 
 
 def test_every_loss_runs_the_driver():
