@@ -42,7 +42,7 @@ def constant_result(fn: _F) -> _F:
     """Dynamo's ``assume_constant_result(fn)`` (public in ``torch.compiler``): under torch.compile ``fn`` is called,
     its result a constant of the graph, never traced. The public decorator imports ``torch._dynamo`` (2 s on a CPU,
     most of ``import cce_dist``), so this sets the mark it sets, which Dynamo reads when it meets ``fn`` (torch
-    2.10-2.14; tests/test_compile.py compares the two, tests/test_torch_floor.py finds the reader in each torch
+    2.10-2.15; tests/test_compile.py compares the two, tests/test_torch_floor.py finds the reader in each torch
     checked): Dynamo is imported when the user's program compiles, not before."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
