@@ -523,3 +523,29 @@ def test_more_than_2_31_logits_logprobs_entropy(n):
     want_ent = torch.where(valid, lse - ez, torch.zeros_like(c))
     assert (m := close_report(lp, want_lp.float(), 2e-6, 1e-5)) is None, m
     assert (m := close_report(ent, want_ent.float(), 2e-6, 1e-5)) is None, m
+
+
+def test_combining_slices_whose_maxes_are_float32_extremes_keeps_the_entropy_finite():
+    """Two vocab slices (ranks, or the Triton forward's splits) whose row maxes are -3e38 and +3e38: ``m - new_max``
+    overflows to -inf where the first slice's weight ``exp(m - new_max)`` is 0, and the ENTROPY column had formed
+    ``-inf * 0 = NaN`` (a tensor-parallel group returned a NaN entropy where the float64 program gives log 4). Exact
+    here: the 4 logits at +3e38 are the whole distribution."""
+    from cce_dist.core import stats as S
+
+    high, low = torch.full((1, 4), 3e38), torch.full((1, 5), -3e38)
+
+    def slice_stats(z):  # a slice's statistics from its logits: the max and the sums relative to it
+        out = S.empty_stats(1)
+        m = z.amax(1)
+        p = torch.exp(z - m[:, None])
+        out[:, S.MAX], out[:, S.SUMEXP] = m, p.sum(1)
+        out[:, S.ENTROPY] = (p * (z - m[:, None])).sum(1)
+        return out
+
+    for order in ((low, high), (high, low)):
+        combined = S.combine_stack(torch.stack([slice_stats(z) for z in order]))
+        m, s, e = combined[0, S.MAX], combined[0, S.SUMEXP], combined[0, S.ENTROPY]
+        assert m == high[0, 0] and s.item() == 4.0 and e.item() == 0.0, combined
+        assert math.isclose((torch.log(s) - e / s).item(), math.log(4), rel_tol=1e-6)
+    nan = slice_stats(torch.tensor([[float("nan"), 0.0]]))
+    assert S.combine_stack(torch.stack([slice_stats(low), nan]))[0, S.ENTROPY].isnan()  # a NaN still propagates

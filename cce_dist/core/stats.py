@@ -76,7 +76,9 @@ def rescale(stats: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     out = stats.clone()
     out[:, MAX] = new_max
     out[:, SUMEXP] = s * scale
-    out[:, ENTROPY] = (e + s * shift) * scale
+    # a slice whose weight exp(m - new_max) is 0 adds 0; its shift may have overflowed to -inf (maxes near -3e38 and
+    # +3e38), and -inf * 0 would be NaN. A NaN max gives a NaN scale, which still propagates.
+    out[:, ENTROPY] = torch.where(scale == 0, torch.zeros_like(e), (e + s * shift) * scale)
     out[:, SUMSQ] = stats[:, SUMSQ] * scale * scale
     return out
 
