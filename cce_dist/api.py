@@ -25,7 +25,7 @@ from .core.outputs import RowOutput, RowOutputs, row_outputs, stats_needed
 from .core.shard import VocabShard
 from .engine.autograd import CrossEntropyRows, FusedCrossEntropy, LogprobRows, Plan
 from .engine.data_parallel import all_targets, own_rows
-from .engine.driver import Call, StatsNeeds, plan_call
+from .engine.driver import Call, StatsNeeds, options_for, plan_call
 from .engine.prepare import (
     Prepared,
     check_class_weight_length,
@@ -340,7 +340,7 @@ def linear_cross_entropy(
         gradients come back in each tensor's dtype. Second-order gradients (``create_graph=True``)
         raise a RuntimeError: compute a gradient penalty from the materialized loss instead.
     """
-    opts = CrossEntropyOptions.from_keywords(
+    opts = options_for(CrossEntropyOptions, shard, hidden).from_keywords(
         ignore_index=ignore_index,
         shard=shard,
         impl=impl,
@@ -475,7 +475,7 @@ def linear_logprobs(
         ``row_outputs``: ``(that, RowOutputs)``. Differentiable
         once; second-order gradients (``create_graph=True``) raise a RuntimeError.
     """
-    opts = LogprobOptions.from_keywords(
+    opts = options_for(LogprobOptions, shard, hidden).from_keywords(
         ignore_index=ignore_index,
         shard=shard,
         impl=impl,

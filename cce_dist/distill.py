@@ -14,7 +14,7 @@ from .core.options import DistillationOptions, Divergence, Impl, Reduction
 from .core.shard import VocabShard
 from .engine.data_parallel import all_targets, own_rows
 from .engine.distill_autograd import DistillRows, FusedDistill
-from .engine.driver import Call, StatsNeeds, plan_call
+from .engine.driver import Call, StatsNeeds, options_for, plan_call
 from .engine.prepare import grad_needs, is_dtensor, reduce_loss
 
 Tensor = torch.Tensor
@@ -141,7 +141,7 @@ def linear_distillation(
             "linear_logprobs have one): its result is a float32 scalar for reduction 'mean'/'sum' and "
             "student_hidden.shape[:-1] for 'none'; run it on real tensors"
         )
-    opts = DistillationOptions.from_keywords(
+    opts = options_for(DistillationOptions, shard, student_hidden).from_keywords(
         ignore_index=ignore_index,
         shard=shard,
         impl=impl,

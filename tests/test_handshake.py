@@ -7,6 +7,7 @@
   token chunk): every rank must raise ``InputError`` naming it before any statistics collective, instead of hanging
   or mixing buffers.
 - ``VocabShard(check=False)`` still rejects ids >= the global V (on that rank), as the README promises.
+- An invalid option value on one rank (each loss) raises there and an ``InputError`` on the others, none waiting.
 
 After each error the group must still be in step: the next correct call gives the oracle's loss (tests/oracle.py).
 """
@@ -88,12 +89,32 @@ def _body(rank, world, group):
         rf"targets contain id {V + 3}, outside the vocabulary \[0, {V}\)",
     )
     report["after_check_false"] = _healthy(shard, h, w, t, sl)
+
     # ids in another rank's shard are fine without the handshake too
     loss = linear_cross_entropy(h, w[sl], t, shard=unchecked, impl="torch")
     ref = oracle_cross_entropy(h, w, t)
     report["check_false_valid"] = (
         None if torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) else f"loss {float(loss)} vs oracle {float(ref)}"
     )
+
+    # 4. an invalid option value on rank 1 only (options are checked as they are built, before the driver): rank 1
+    # raises its own ValueError, rank 0 an InputError naming rank 1, neither waits; each loss, then a healthy call
+    from cce_dist import linear_distillation, linear_logprobs
+
+    bad_calls = {
+        "label_smoothing": lambda x: linear_cross_entropy(h, w[sl], t, shard=shard, label_smoothing=x),
+        "temperature": lambda x: linear_logprobs(h, w[sl], t, shard=shard, temperature=x),
+        "beta": lambda x: linear_distillation(h, w[sl], h.detach(), w[sl], t, shard=shard, divergence="jsd", beta=x),
+    }
+    for name, call in bad_calls.items():
+        good = 0.5 if name == "beta" else 0.1
+        if rank == 1:
+            value = 0.0 if name == "temperature" else 1.5
+            report[f"bad_{name}"] = _expect(lambda call=call, value=value: call(value), ValueError, name)
+        else:
+            rejected = r"rank\(s\) \[1\] .*rejected"
+            report[f"bad_{name}"] = _expect(lambda call=call, good=good: call(good), InputError, rejected)
+        report[f"after_bad_{name}"] = _healthy(shard, h, w, t, sl)
     return report
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import torch
 
@@ -47,7 +47,7 @@ from .prepare import (
     resolve_filter_eps,
 )
 
-__all__ = ["Call", "StatsNeeds", "plan_call", "refuse_on_group"]
+__all__ = ["Call", "StatsNeeds", "options_for", "plan_call", "refuse_on_group"]
 
 Named = tuple[tuple[str, object], ...]
 LossForm = Literal["cross-entropy", "logprobs", "distillation"]
@@ -224,6 +224,36 @@ def refuse_on_group(shard: VocabShard | None, error: BaseException, device: torc
             device=device,
         )
     raise error
+
+
+_Options = TypeVar("_Options", bound=LossOptions)
+
+
+def options_for(cls: type[_Options], shard: object, hidden: object) -> type[_Options]:
+    """What an entry point builds its options with: ``cls`` (an options dataclass), or, for a call with a ``shard``
+    outside torch.compile, a stand-in whose ``from_keywords`` raises an invalid option through the group
+    (:func:`refuse_on_group`): options are checked when built, before :func:`plan_call` can hand the error to the
+    handshake, so one rank's bad ``label_smoothing`` had left the others waiting in it. Under torch.compile (which
+    refuses a shard anyway) and without a shard, ``cls`` itself, traced as before."""
+    if shard is None or not isinstance(shard, VocabShard) or torch.compiler.is_compiling():
+        return cls
+    return cast("type[_Options]", _OptionsRefusedOnGroup(cls, shard, hidden))
+
+
+@dataclass(frozen=True)
+class _OptionsRefusedOnGroup:
+    """:func:`options_for`'s stand-in: ``cls.from_keywords``, its TypeError / ValueError raised on every rank."""
+
+    cls: Any
+    shard: VocabShard
+    hidden: object
+
+    def from_keywords(self, **keywords: Any) -> Any:
+        try:
+            return self.cls.from_keywords(**keywords)
+        except (TypeError, ValueError) as e:
+            device = self.hidden.device if isinstance(self.hidden, torch.Tensor) else torch.device("cpu")
+            refuse_on_group(self.shard, e, device)
 
 
 def _exchange(
