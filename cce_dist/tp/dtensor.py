@@ -66,8 +66,9 @@ def _placement_str(t) -> str:
     return "(" + ", ".join(str(p) for p in t.placements) + ")"
 
 
-def _weight_shard(weight, opts: LossOptions | None, name: str = "weight"):
-    """(local weight, VocabShard or None) of a DTensor weight (the argument ``name``)."""
+def _weight_shard(weight, name: str = "weight"):
+    """``(local weight, (group, start, stop) or None, mesh)`` of a DTensor weight (the argument ``name``): its rows
+    under ``Shard(0)``, None under ``Replicate()``."""
     DTensor, Partial, Replicate, Shard = _types()
     mesh = _mesh_1d(name, weight)
     (pl,) = weight.placements
@@ -104,7 +105,7 @@ def data_parallel_shard(
             f"cce_dist: data_parallel_shard(weight) needs a Shard(0) DTensor weight, got {type(weight).__name__}; for "
             "a plain local shard build VocabShard(group, start, stop, data_parallel=True)"
         )
-    _, info, _ = _weight_shard(weight, None)
+    _, info, _ = _weight_shard(weight)
     if info is None:
         raise ValueError(
             f"cce_dist: data_parallel_shard(weight): weight has placements {_placement_str(weight)}; a "
@@ -172,7 +173,7 @@ def from_dtensor(
     shard_info = None
     if isinstance(weight, DTensor):
         marked = hasattr(weight, DATA_PARALLEL_MARK)
-        weight, shard_info, mesh = _weight_shard(weight, opts, weight_name)
+        weight, shard_info, mesh = _weight_shard(weight, weight_name)
         _check_data_parallel(hidden, targets, marked, opts.shard, mesh.get_group(), names)
 
     if isinstance(bias, DTensor):
