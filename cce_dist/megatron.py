@@ -136,8 +136,7 @@ def output_layer_loss(
         weight = _head_weight(output_layer, weight)
         labels = _shifted_labels(labels, shift, loss_options.get("ignore_index", -100))
     except (TypeError, ValueError) as e:
-        device = hidden_states.device if isinstance(hidden_states, Tensor) else torch.device("cpu")
-        refuse_on_group(_layer_shard(output_layer, None, shard_kw), e, device)
+        refuse_on_group(_layer_shard(output_layer, None, shard_kw), e, hidden_states)
     bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
     shard = _layer_shard(output_layer, weight, shard_kw)
     out = linear_cross_entropy(

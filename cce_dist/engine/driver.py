@@ -204,13 +204,18 @@ def plan_call(call: Call) -> tuple[Prepared, Plan]:
     return rows, plan
 
 
-def refuse_on_group(shard: VocabShard | None, error: BaseException, device: torch.device) -> NoReturn:
+def _collective_device(hidden: object) -> torch.device:
+    """Where a call's handshake runs: its hidden states' device (CPU for a non-tensor, which validation refuses)."""
+    return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+
+
+def refuse_on_group(shard: VocabShard | None, error: BaseException, hidden: object) -> NoReturn:
     """Raise ``error``, a check of this rank's own inputs that a wrapper makes before its loss call (an integration's
     labels, a weight it was handed), the way :func:`plan_call` raises its own: the group is told first (the
     handshake's one all-gather, this rank marked as failed), so the other ranks, in the handshake of the same call,
     raise :class:`cce_dist.InputError` naming this rank instead of waiting in a collective. Alone, or without the
-    handshake (``shard.check=False``, documented to strand the others), it raises at once. ``device``: where the
-    loss's hidden states live (the handshake's collective runs there)."""
+    handshake (``shard.check=False``, documented to strand the others), it raises at once. ``hidden``: the loss's
+    hidden states (the handshake's collective runs on their device)."""
     if shard is not None and shard.world_size > 1 and shard.check:
         handshake(
             shard,
@@ -221,7 +226,7 @@ def refuse_on_group(shard: VocabShard | None, error: BaseException, device: torc
             options=(),
             targets=None,
             ignore_index=0,
-            device=device,
+            device=_collective_device(hidden),
         )
     raise error
 
@@ -252,8 +257,7 @@ class _OptionsRefusedOnGroup:
         try:
             return self.cls.from_keywords(**keywords)
         except (TypeError, ValueError) as e:
-            device = self.hidden.device if isinstance(self.hidden, torch.Tensor) else torch.device("cpu")
-            refuse_on_group(self.shard, e, device)
+            refuse_on_group(self.shard, e, self.hidden)
 
 
 def _exchange(
@@ -284,7 +288,7 @@ def _exchange(
             ("the implementation (torch/triton) that impl= resolved to", backend_name),
         )
     )
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    device = _collective_device(hidden)
     if not shard.check:
         if error is not None:
             raise error  # documented: without the handshake a rank-local error can strand the others
